@@ -1,0 +1,52 @@
+"""Reading JSON request bodies with Ollama's errors, and messages that name the offending field."""
+
+from __future__ import annotations
+
+import json
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from registry.errors import InvalidRequest
+
+M = TypeVar("M", bound=BaseModel)
+
+MAX_JSON_BODY = 64 * 1024 * 1024
+
+
+async def read_model(request: Request, model: type[M], *, allow_empty: bool = False) -> M:
+    raw = b""
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_JSON_BODY:
+            raise InvalidRequest(f"request body is larger than {MAX_JSON_BODY} bytes")
+    if not raw.strip():
+        if allow_empty:
+            return model()
+        raise InvalidRequest("missing request body")
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"invalid JSON in request body: {exc}") from None
+    return parse_model(model, data)
+
+
+def parse_model(model: type[M], data: object) -> M:
+    if not isinstance(data, dict):
+        raise InvalidRequest(f"request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidRequest(describe(exc)) from None
+
+
+def describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:3]:
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-")) or "body"
+        msg = err["msg"]
+        given = err.get("input")
+        kind = type(given).__name__ if given is not None else "null"
+        parts.append(f'invalid value for field "{loc}": {msg} (got {kind})')
+    return "; ".join(parts)

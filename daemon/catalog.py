@@ -1,0 +1,296 @@
+"""Model management over the store: resolve names, list, show, copy, delete.
+
+All store mutations in the daemon go through :attr:`Catalog.lock`, so a delete's garbage collection never races a
+create or copy that is about to reference the same blobs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from modelfile import Modelfile, render
+from modelfile.ast import Adapter, From, License, Message, Parameter, System, Template
+from registry.digest import Digest
+from registry.errors import CorralError, InvalidGGUF, InvalidModelName, InvalidRequest, ModelNotFound
+from registry.gguf import GGUFInfo, model_info, read_gguf_header
+from registry.manifest import (
+    MEDIA_ADAPTER,
+    MEDIA_LICENSE,
+    MEDIA_MESSAGES,
+    MEDIA_MODEL,
+    MEDIA_PARAMS,
+    MEDIA_PROJECTOR,
+    MEDIA_PROMPT,
+    MEDIA_SYSTEM,
+    MEDIA_TEMPLATE,
+    Manifest,
+)
+from registry.names import ModelName
+from registry.store import Store, StoredModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TEMPLATE = "{{ .Prompt }}"
+MAX_TEXT_LAYER = 16 * 1024 * 1024
+MAX_CONFIG = 1024 * 1024
+
+
+def rfc3339(ts: float) -> str:
+    """Go's RFC3339Nano rendering of a local time (trailing zeros trimmed, Z for UTC)."""
+    dt = datetime.fromtimestamp(ts).astimezone()
+    base = dt.strftime("%Y-%m-%dT%H:%M:%S")
+    frac = f"{dt.microsecond:06d}".rstrip("0")
+    offset = dt.strftime("%z")
+    zone = "Z" if offset in ("+0000", "-0000") else f"{offset[:3]}:{offset[3:]}"
+    return f"{base}{'.' + frac if frac else ''}{zone}"
+
+
+def go_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
+
+
+class Catalog:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.lock = threading.RLock()
+        self._gguf_cache: OrderedDict[Digest, GGUFInfo] = OrderedDict()
+
+    # -- names -------------------------------------------------------------------------------------------------
+    def parse_name(self, raw: str) -> ModelName:
+        return ModelName.parse(raw)
+
+    def resolve(self, raw: str) -> ModelName:
+        """Validate ``raw`` and find it in the store (case-insensitively); ModelNotFound names it as given."""
+        name = ModelName.parse(raw)
+        return self.store.resolve(name, given=raw)
+
+    def get(self, raw: str) -> StoredModel:
+        name = self.resolve(raw)
+        try:
+            return self.store.get(name)
+        except ModelNotFound:
+            raise ModelNotFound(raw) from None
+
+    # -- blobs as values ---------------------------------------------------------------------------------------
+    def gguf(self, digest: Digest, *, verbose: bool = False) -> GGUFInfo:
+        """The GGUF header of a blob, checked within sane limits (cached per digest; blobs are immutable)."""
+        if not verbose and digest in self._gguf_cache:
+            self._gguf_cache.move_to_end(digest)
+            return self._gguf_cache[digest]
+        size = self.store.blob_size(digest)
+        with self.store.open_blob(digest) as f:
+            info = read_gguf_header(f, size, keep_arrays=True, max_array_keep=None if verbose else 5)
+        if not verbose:
+            self._gguf_cache[digest] = info
+            while len(self._gguf_cache) > 64:
+                self._gguf_cache.popitem(last=False)
+        return info
+
+    def text(self, digest: Digest) -> str:
+        return self.store.read_blob(digest, MAX_TEXT_LAYER).decode("utf-8", errors="replace")
+
+    def json_layer(self, digest: Digest) -> Any:
+        try:
+            return json.loads(self.store.read_blob(digest, MAX_TEXT_LAYER))
+        except ValueError as exc:
+            raise CorralError(f"layer {digest} is not valid JSON: {exc}") from exc
+
+    def config(self, manifest: Manifest) -> dict[str, Any]:
+        try:
+            cfg = json.loads(self.store.read_blob(manifest.config.digest, MAX_CONFIG))
+        except (CorralError, ValueError, OSError) as exc:
+            log.warning("unreadable config blob digest=%s error=%s", manifest.config.digest, exc)
+            return {}
+        return cfg if isinstance(cfg, dict) else {}
+
+    # -- views -------------------------------------------------------------------------------------------------
+    def details(self, manifest: Manifest, *, parent: str = "") -> dict[str, Any]:
+        cfg = self.config(manifest)
+        family = cfg.get("model_family") or ""
+        families = cfg.get("model_families")
+        return {
+            "parent_model": parent,
+            "format": cfg.get("model_format") or "gguf",
+            "family": family,
+            "families": families if isinstance(families, list) else ([family] if family else None),
+            "parameter_size": cfg.get("model_type") or "",
+            "quantization_level": cfg.get("file_type") or "",
+        }
+
+    def tags(self) -> list[dict[str, Any]]:
+        out = []
+        for m in self.store.list_models():
+            out.append(
+                {
+                    "name": m.name.short(),
+                    "model": m.name.short(),
+                    "modified_at": rfc3339(m.modified_at),
+                    "size": m.manifest.size,
+                    "digest": m.manifest.digest.hex,
+                    "details": self.details(m.manifest),
+                }
+            )
+        return out
+
+    def template_text(self, manifest: Manifest) -> str | None:
+        layer = manifest.first(MEDIA_TEMPLATE, MEDIA_PROMPT)
+        return self.text(layer.digest) if layer else None
+
+    def system_text(self, manifest: Manifest) -> str | None:
+        layer = manifest.first(MEDIA_SYSTEM)
+        return self.text(layer.digest) if layer else None
+
+    def params(self, manifest: Manifest) -> dict[str, Any]:
+        layer = manifest.first(MEDIA_PARAMS)
+        if not layer:
+            return {}
+        data = self.json_layer(layer.digest)
+        return data if isinstance(data, dict) else {}
+
+    def messages(self, manifest: Manifest) -> list[dict[str, str]]:
+        layer = manifest.first(MEDIA_MESSAGES)
+        if not layer:
+            return []
+        data = self.json_layer(layer.digest)
+        if not isinstance(data, list):
+            return []
+        return [
+            {"role": str(m.get("role", "")), "content": str(m.get("content", ""))} for m in data if isinstance(m, dict)
+        ]
+
+    def licenses(self, manifest: Manifest) -> list[str]:
+        return [self.text(layer.digest) for layer in manifest.layers_of(MEDIA_LICENSE)]
+
+    def capabilities(self, manifest: Manifest, info: GGUFInfo | None, template: str | None) -> list[str]:
+        caps: list[str] = []
+        meta = info.metadata if info else {}
+        arch = meta.get("general.architecture", "")
+        if f"{arch}.pooling_type" in meta:
+            caps.append("embedding")
+        else:
+            caps.append("completion")
+        chat_template = (info.chat_template if info else None) or ""
+        tpl = template or ""
+        if ".Tools" in tpl or "tools" in chat_template or "tool_call" in chat_template:
+            caps.append("tools")
+        if ".Suffix" in tpl:
+            caps.append("insert")
+        if "vision.block_count" in meta or manifest.first(MEDIA_PROJECTOR):
+            caps.append("vision")
+        if "<think>" in tpl or "<think>" in chat_template:
+            caps.append("thinking")
+        extra = self.config(manifest).get("capabilities")
+        if isinstance(extra, list):
+            caps += [c for c in extra if isinstance(c, str) and c not in caps]
+        return caps
+
+    def show(self, raw: str, *, verbose: bool = False, system: str | None = None,
+             options: dict[str, Any] | None = None) -> dict[str, Any]:
+        stored = self.get(raw)
+        manifest = stored.manifest
+        model_layer = manifest.first(MEDIA_MODEL)
+        info = None
+        if model_layer is not None:
+            try:
+                info = self.gguf(model_layer.digest, verbose=verbose)
+            except (InvalidGGUF, OSError, CorralError) as exc:
+                log.warning("cannot read GGUF header model=%s error=%s", raw, exc)
+        template = self.template_text(manifest)
+        sys_text = system if system is not None else self.system_text(manifest)
+        params = {**self.params(manifest), **(options or {})}
+        messages = self.messages(manifest)
+        licenses = self.licenses(manifest)
+        shown_template = template
+        if shown_template is None:
+            shown_template = (info.chat_template if info else None) or DEFAULT_TEMPLATE
+
+        header = (
+            '# Modelfile generated by "corral show"\n'
+            "# To build a new Modelfile based on this, replace FROM with:\n"
+            f"# FROM {stored.name.short()}\n\n"
+        )
+        body = render(self.modelfile(manifest, shown_template, sys_text, params, messages, licenses))
+        out: dict[str, Any] = {}
+        if licenses:
+            out["license"] = "\n".join(licenses)
+        out["modelfile"] = header + body
+        param_lines = []
+        for key, value in params.items():
+            for v in value if isinstance(value, list) else [value]:
+                param_lines.append(f"{key:<30} {go_value(v)}")
+        if param_lines:
+            out["parameters"] = "\n".join(param_lines)
+        out["template"] = shown_template
+        if sys_text:
+            out["system"] = sys_text
+        out["details"] = self.details(manifest, parent=(model_layer.from_ or "") if model_layer else "")
+        if messages:
+            out["messages"] = messages
+        out["model_info"] = model_info(info, verbose) if info else {}
+        if verbose and info is not None:
+            out["tensors"] = [{"name": t.name, "type": t.type_name, "shape": list(t.shape)} for t in info.tensors]
+        out["capabilities"] = self.capabilities(manifest, info, template)
+        out["modified_at"] = rfc3339(stored.modified_at)
+        return out
+
+    def modelfile(self, manifest: Manifest, template: str | None, system: str | None, params: dict[str, Any],
+                  messages: list[dict[str, str]], licenses: list[str]) -> Modelfile:
+        ins: list[Any] = []
+        for layer in manifest.layers:
+            if layer.media_type == MEDIA_MODEL:
+                ins.append(From(str(self.store.blob_path(layer.digest))))
+        for layer in manifest.layers_of(MEDIA_ADAPTER):
+            ins.append(Adapter(str(self.store.blob_path(layer.digest))))
+        for layer in manifest.layers_of(MEDIA_PROJECTOR):
+            ins.append(From(str(self.store.blob_path(layer.digest))))
+        if template:
+            ins.append(Template(template))
+        if system:
+            ins.append(System(system))
+        for key, value in params.items():
+            for v in value if isinstance(value, list) else [value]:
+                ins.append(Parameter(key, v))
+        ins += [License(text) for text in licenses]
+        ins += [Message(m["role"], m["content"]) for m in messages]
+        return Modelfile(tuple(ins))
+
+    # -- mutations ---------------------------------------------------------------------------------------------
+    def copy(self, source: str, destination: str) -> None:
+        try:
+            src = ModelName.parse(source)
+        except InvalidModelName:
+            raise InvalidRequest(f'source "{source}" is invalid') from None
+        try:
+            dst = ModelName.parse(destination)
+        except InvalidModelName:
+            raise InvalidRequest(f'destination "{destination}" is invalid') from None
+        with self.lock:
+            src = self.store.canonical(src)
+            if not self.store.manifest_path(src).is_file():
+                raise ModelNotFound(source, f'model "{source}" not found')
+            self.store.copy(src, self.store.canonical(dst))
+
+    def delete(self, raw: str) -> list[Digest]:
+        try:
+            name = ModelName.parse(raw)
+        except InvalidModelName:
+            raise InvalidRequest(f'name "{raw}" is invalid') from None
+        with self.lock:
+            canonical = self.store.canonical(name)
+            if not self.store.manifest_path(canonical).is_file():
+                raise ModelNotFound(raw)
+            removed = self.store.delete(canonical)
+        log.info("deleted model=%s blobs_removed=%d", canonical.short(), len(removed))
+        return removed
+
+

@@ -1,0 +1,54 @@
+"""Wire models for the Ollama-native model-management API (pydantic; unknown fields ignored like Go's decoder)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+
+
+class Wire(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class NamedRequest(Wire):
+    model: StrictStr | None = None
+    name: StrictStr | None = None  # deprecated alias of model
+
+    @property
+    def model_name(self) -> str:
+        return self.model or self.name or ""
+
+
+class ShowRequest(NamedRequest):
+    verbose: StrictBool = False
+    system: StrictStr | None = None
+    options: dict[str, Any] | None = None
+
+
+class DeleteRequest(NamedRequest):
+    pass
+
+
+class CopyRequest(Wire):
+    source: StrictStr = ""
+    destination: StrictStr = ""
+
+
+class Message(Wire):
+    role: StrictStr
+    content: StrictStr = ""
+
+
+class CreateRequest(NamedRequest):
+    from_: StrictStr | None = Field(default=None, alias="from")
+    files: dict[StrictStr, StrictStr] | None = None
+    adapters: dict[StrictStr, StrictStr] | None = None
+    template: StrictStr | None = None
+    system: StrictStr | None = None
+    license: StrictStr | list[StrictStr] | None = None
+    parameters: dict[str, Any] | None = None
+    messages: list[Message] | None = None
+    quantize: StrictStr | None = None
+    quantization: StrictStr | None = None
+    stream: StrictBool = True

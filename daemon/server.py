@@ -1,0 +1,54 @@
+"""``corral serve``: take the store lock, bind the port, run the app with uvicorn."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+
+import uvicorn
+
+from daemon import logs
+from daemon.app import create_app
+from daemon.settings import Settings
+from registry.errors import CorralError
+from registry.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class ListenError(CorralError):
+    pass
+
+
+def bind(settings: Settings) -> socket.socket:
+    host = settings.host.bind_host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, settings.host.port))
+    except OSError as exc:
+        sock.close()
+        hint = ""
+        if exc.errno == errno.EADDRINUSE:
+            hint = "; another corral (or ollama) is using that port: stop it or set CORRAL_HOST to another port"
+        raise ListenError(f"could not listen on {settings.host}: {exc.strerror or exc}{hint}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(settings: Settings) -> int:
+    logs.configure(settings.debug)
+    store = Store(settings.models)
+    store.lock()
+    try:
+        sock = bind(settings)
+        log.info("listening address=%s models=%s", settings.host, store.root)
+        app = create_app(settings, store=store)
+        config = uvicorn.Config(app, log_config=None, access_log=settings.debug > 0, timeout_graceful_shutdown=10)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        store.unlock()
+    return 0

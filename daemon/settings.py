@@ -1,0 +1,237 @@
+"""corral's settings: read from the environment once, at startup, and passed down.
+
+Nothing in corral reads ``os.environ`` at import time. Each variable means what its ``OLLAMA_*`` namesake means.
+This module is light (no FastAPI, no llama_cpp) so the CLI can share it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from registry.errors import CorralError
+
+
+class SettingsError(CorralError):
+    """An environment variable has a value corral cannot use."""
+
+
+DEFAULT_PORT = 11434
+
+# name: (meaning, default shown in help)
+ENV_DOCS: dict[str, tuple[str, str]] = {
+    "CORRAL_HOST": ("address to listen on (and for the CLI, to connect to): [scheme://]host[:port]", "127.0.0.1:11434"),
+    "CORRAL_MODELS": ("directory of the model store (Ollama's layout)", "<user data dir>/corral/models"),
+    "CORRAL_KEEP_ALIVE": ("how long an idle model stays loaded: 5m, 1h30m, seconds; negative = forever", "5m"),
+    "CORRAL_MAX_LOADED_MODELS": ("most models loaded at once; 0 = as many as fit the budgets", "0"),
+    "CORRAL_NUM_PARALLEL": ("parallel requests per model; 0 = automatic", "0"),
+    "CORRAL_MAX_QUEUE": ("most requests waiting for a model before 503 server busy", "512"),
+    "CORRAL_ORIGINS": ("extra browser origins allowed, comma-separated (wildcards allowed)", ""),
+    "CORRAL_NOPRUNE": ("do not prune unused blobs at startup", "false"),
+    "CORRAL_DEBUG": ("log level: 0 info, 1 debug, 2 trace", "0"),
+    "CORRAL_API_KEY": ("require this key (Authorization: Bearer or x-api-key) on every request", ""),
+    "CORRAL_RAM_BUDGET": ("bytes of RAM loaded models may use, e.g. 8GiB", "free RAM less a reserve"),
+    "CORRAL_VRAM_BUDGET": ("bytes of VRAM loaded models may use, e.g. 20GiB", "free VRAM less a reserve"),
+}
+
+
+@dataclass(frozen=True)
+class Host:
+    scheme: str
+    host: str
+    port: int
+    path: str = ""
+
+    @property
+    def bind_host(self) -> str:
+        return self.host or "0.0.0.0"
+
+    @property
+    def is_loopback(self) -> bool:
+        h = self.host.strip("[]")
+        if h == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(h).is_loopback
+        except ValueError:
+            return False
+
+    def url(self) -> str:
+        """URL a client connects to (unspecified addresses become loopback)."""
+        h = self.host
+        if h in ("", "0.0.0.0"):
+            h = "127.0.0.1"
+        elif h in ("::", "[::]"):
+            h = "[::1]"
+        elif ":" in h and not h.startswith("["):
+            h = f"[{h}]"
+        return f"{self.scheme}://{h}:{self.port}{self.path}"
+
+    def __str__(self) -> str:
+        h = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"{h}:{self.port}"
+
+
+def parse_host(raw: str | None) -> Host:
+    """Parse like OLLAMA_HOST: optional scheme, host, port (11434, or 80/443 by scheme), optional path."""
+    s = (raw or "").strip().strip("\"'").strip()
+    scheme, default_port = "http", DEFAULT_PORT
+    if "://" in s:
+        scheme, s = s.split("://", 1)
+        scheme = scheme.lower()
+        if scheme not in ("http", "https"):
+            raise SettingsError(f'CORRAL_HOST has an unsupported scheme "{scheme}"; use http or https')
+        default_port = 443 if scheme == "https" else 80
+    path = ""
+    if "/" in s:
+        s, rest = s.split("/", 1)
+        path = "/" + rest.rstrip("/") if rest.strip("/") else ""
+    host, port_text = s, ""
+    if s.startswith("["):
+        end = s.find("]")
+        if end < 0:
+            raise SettingsError(f'CORRAL_HOST "{raw}" has an unclosed "["')
+        host, port_text = s[1:end], s[end + 1 :].lstrip(":")
+    elif s.count(":") == 1:
+        host, port_text = s.split(":")
+    elif s.count(":") > 1:
+        host = s  # bare IPv6
+    if not s and not raw:
+        host = "127.0.0.1"
+    elif not s:
+        host = "127.0.0.1"
+    port = default_port
+    if port_text:
+        try:
+            p = int(port_text)
+            if 0 <= p <= 65535:
+                port = p
+        except ValueError:
+            pass
+    return Host(scheme=scheme, host=host, port=port, path=path)
+
+
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+          "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+def parse_bytes(text: str, what: str = "size") -> int:
+    m = _SIZE.match(text)
+    unit = (m.group(2) or "").lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise SettingsError(f'{what} "{text}" is not a size; use bytes or a unit, e.g. 8GiB, 512MB')
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+_DUR = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|ms|s|m|h)")
+_DUR_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(value: object, what: str = "keep_alive") -> float:
+    """Seconds from a JSON number (seconds) or a Go duration string; negative -> math.inf."""
+    if isinstance(value, bool):
+        raise SettingsError(f"{what} must be a duration like \"5m\" or a number of seconds")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        s = value.strip()
+        sign = -1.0 if s.startswith("-") else 1.0
+        body = s.lstrip("+-")
+        if body == "0":
+            seconds = 0.0
+        else:
+            pos, total = 0, 0.0
+            for m in _DUR.finditer(body):
+                if m.start() != pos:
+                    break
+                total += float(m.group(1)) * _DUR_UNITS[m.group(2)]
+                pos = m.end()
+            if not body or pos != len(body):
+                raise SettingsError(
+                    f'{what} "{value}" is not a duration; use a number of seconds or units like "5m", "1h30m", "10s"'
+                )
+            seconds = sign * total
+    else:
+        raise SettingsError(f"{what} must be a duration like \"5m\" or a number of seconds")
+    if math.isnan(seconds):
+        raise SettingsError(f"{what} must be a number")
+    return math.inf if seconds < 0 else seconds
+
+
+def _bool(value: str) -> bool:
+    return value.strip().lower() in ("1", "t", "true", "yes", "on")
+
+
+def _int(environ: Mapping[str, str], key: str, default: int) -> int:
+    raw = environ.get(key, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f'{key}="{raw}" is not a whole number') from None
+    if value < 0:
+        raise SettingsError(f'{key}="{raw}" must not be negative')
+    return value
+
+
+def default_models_dir() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("corral", appauthor=False)) / "models"
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: Host = field(default_factory=lambda: parse_host(None))
+    models: Path = field(default_factory=default_models_dir)
+    keep_alive: float = 300.0
+    max_loaded_models: int = 0
+    num_parallel: int = 0
+    max_queue: int = 512
+    origins: tuple[str, ...] = ()
+    noprune: bool = False
+    debug: int = 0
+    api_key: str | None = field(default=None, repr=False)
+    ram_budget: int | None = None
+    vram_budget: int | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> Settings:
+        def get(key: str) -> str:
+            return environ.get(key, "").strip()
+
+        models = get("CORRAL_MODELS")
+        keep = get("CORRAL_KEEP_ALIVE")
+        debug_raw = get("CORRAL_DEBUG")
+        debug = 0
+        if debug_raw:
+            debug = int(debug_raw) if debug_raw.isdigit() else (1 if _bool(debug_raw) else 0)
+        ram, vram = get("CORRAL_RAM_BUDGET"), get("CORRAL_VRAM_BUDGET")
+        return cls(
+            host=parse_host(get("CORRAL_HOST")),
+            models=Path(models).expanduser() if models else default_models_dir(),
+            keep_alive=parse_duration(keep, "CORRAL_KEEP_ALIVE") if keep else 300.0,
+            max_loaded_models=_int(environ, "CORRAL_MAX_LOADED_MODELS", 0),
+            num_parallel=_int(environ, "CORRAL_NUM_PARALLEL", 0),
+            max_queue=_int(environ, "CORRAL_MAX_QUEUE", 512),
+            origins=tuple(o.strip() for o in get("CORRAL_ORIGINS").split(",") if o.strip()),
+            noprune=_bool(get("CORRAL_NOPRUNE")) if get("CORRAL_NOPRUNE") else False,
+            debug=debug,
+            api_key=get("CORRAL_API_KEY") or None,
+            ram_budget=parse_bytes(ram, "CORRAL_RAM_BUDGET") if ram else None,
+            vram_budget=parse_bytes(vram, "CORRAL_VRAM_BUDGET") if vram else None,
+        )
+
+
+def env_help() -> str:
+    lines = ["Environment variables:"]
+    for key, (meaning, default) in ENV_DOCS.items():
+        lines.append(f"  {key:<26} {meaning} (default: {default})")
+    return "\n".join(lines)
