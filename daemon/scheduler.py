@@ -1,0 +1,368 @@
+"""The scheduler: the one owner of loaded-model state.
+
+Requests ``await scheduler.acquire(...)`` and get a :class:`Lease` (an async context manager). A loaded model that
+needs no reload is handed out at once; everything else goes through a bounded queue served by one worker task, so
+only one model loads or unloads at a time. The eviction choice is the pure :func:`daemon.eviction.decide`. The
+collaborators (runner factory, memory estimator, budgets, clock) are injected so tests can fake them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from daemon.eviction import Budget, Loaded, decide
+from daemon.runners.base import LoadSpec, MemoryUse, Runner, RunnerError
+from registry.errors import CorralError
+
+log = logging.getLogger(__name__)
+
+FOREVER = math.inf
+
+
+class SchedulerError(CorralError):
+    status = 500
+
+
+class QueueFull(SchedulerError):
+    status = 503
+
+    def __init__(self) -> None:
+        super().__init__("server busy, please try again.  maximum pending requests exceeded")
+
+
+class InsufficientMemory(SchedulerError):
+    status = 500
+
+    def __init__(self, name: str, need: MemoryUse, budget: Budget) -> None:
+        which = "RAM" if need.ram > budget.ram else "VRAM"
+        needed, have = (need.ram, budget.ram) if which == "RAM" else (need.vram, budget.vram)
+        var = "CORRAL_RAM_BUDGET" if which == "RAM" else "CORRAL_VRAM_BUDGET"
+        super().__init__(
+            f"model '{name}' needs {needed} bytes ({needed / 2**30:.2f} GiB) of {which} but the {which} budget is "
+            f"{have} bytes ({have / 2**30:.2f} GiB); lower num_ctx, use a smaller model, or raise {var}"
+        )
+        self.need = need
+        self.budget = budget
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """What the scheduler needs to know about a model besides its LoadSpec."""
+
+    key: str  # the full model name
+    name: str  # short display name
+    digest: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Entry:
+    ref: ModelRef
+    spec: LoadSpec
+    runner: Runner
+    memory: MemoryUse
+    keep_alive: float
+    loaded_at: float
+    last_used: float
+    refs: int = 0
+    loading: bool = True
+    ready: asyncio.Future[None] | None = None
+    timer: asyncio.TimerHandle | None = None
+    expires_at: float | None = None  # clock time; None while in use
+    unload_when_idle: bool = False
+
+
+@dataclass
+class _Pending:
+    ref: ModelRef
+    spec: LoadSpec
+    keep_alive: float | None
+    future: asyncio.Future[Entry]
+
+
+class Lease:
+    """A hold on a loaded runner; releasing it starts the model's keep-alive timer."""
+
+    def __init__(self, scheduler: Scheduler, entry: Entry, load_duration: float) -> None:
+        self._scheduler = scheduler
+        self.entry = entry
+        self.runner = entry.runner
+        self.load_duration = load_duration  # seconds spent waiting for the runner (queue + load)
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._scheduler._release(self.entry)
+
+    async def __aenter__(self) -> Lease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
+Estimator = Callable[[ModelRef, LoadSpec], MemoryUse]
+RunnerFactory = Callable[[ModelRef, LoadSpec], Runner]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        runner_factory: RunnerFactory,
+        estimate: Estimator,
+        budget: Callable[[], Budget],
+        default_keep_alive: float = 300.0,
+        max_queue: int = 512,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._factory = runner_factory
+        self._estimate = estimate
+        self._budget = budget
+        self.default_keep_alive = default_keep_alive
+        self._clock = clock
+        self._wall = wall_clock
+        self._loaded: dict[str, Entry] = {}
+        self._queue: asyncio.Queue[_Pending] = asyncio.Queue(maxsize=max(1, max_queue))
+        self._changed = asyncio.Event()
+        self._worker: asyncio.Task[None] | None = None
+        self._closing = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.counters = {"loads": 0, "unloads": 0, "evictions": 0, "load_seconds": 0.0}
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._worker is None:
+            self._worker = asyncio.get_running_loop().create_task(self._work(), name="corral-scheduler")
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._worker is not None:
+            self._worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._worker
+        while not self._queue.empty():
+            p = self._queue.get_nowait()
+            if not p.future.done():
+                p.future.set_exception(SchedulerError("the server is shutting down"))
+        await asyncio.gather(*(self._unload(e, reason="shutdown") for e in list(self._loaded.values())),
+                             return_exceptions=True)
+
+    # -- requests ----------------------------------------------------------------------------------------------
+    async def acquire(self, ref: ModelRef, spec: LoadSpec, keep_alive: float | None = None) -> Lease:
+        """A lease on a runner for ``ref`` loaded with ``spec`` (loading, evicting or queueing as needed)."""
+        if self._closing:
+            raise SchedulerError("the server is shutting down")
+        started = self._clock()
+        entry = self._loaded.get(ref.key)
+        if entry is not None and entry.spec == spec and not entry.unload_when_idle:
+            if entry.loading and entry.ready is not None:
+                await asyncio.shield(entry.ready)
+            if self._loaded.get(ref.key) is entry and entry.runner.alive():
+                self._grant(entry, keep_alive)
+                return Lease(self, entry, self._clock() - started)
+        future: asyncio.Future[Entry] = asyncio.get_running_loop().create_future()
+        try:
+            self._queue.put_nowait(_Pending(ref, spec, keep_alive, future))
+        except asyncio.QueueFull:
+            raise QueueFull() from None
+        self.start()
+        try:
+            entry = await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self._release(future.result())  # granted just as the client left
+            future.cancel()
+            raise
+        return Lease(self, entry, self._clock() - started)
+
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    async def stop(self, key: str) -> bool:
+        """Unload ``key`` now, or as soon as its requests finish (keep_alive 0). False if it was not loaded."""
+        entry = self._loaded.get(key)
+        if entry is None:
+            return False
+        entry.keep_alive = 0
+        entry.unload_when_idle = True
+        if entry.refs == 0 and not entry.loading:
+            await self._unload(entry, reason="stop")
+        return True
+
+    def loaded(self) -> list[dict[str, Any]]:
+        """What /api/ps shows, expiring last first."""
+        now_c, now_w = self._clock(), self._wall()
+        out = []
+        for e in self._loaded.values():
+            if e.refs > 0 or e.loading or e.expires_at is None:
+                remaining = e.keep_alive
+            else:
+                remaining = max(0.0, e.expires_at - now_c)
+            out.append({"entry": e, "expires_at_wall": now_w + min(remaining, 292 * 365 * 86400.0)})
+        out.sort(key=lambda item: -item["expires_at_wall"])
+        return out
+
+    # -- internals ---------------------------------------------------------------------------------------------
+    def _grant(self, entry: Entry, keep_alive: float | None) -> None:
+        entry.refs += 1
+        entry.last_used = self._clock()
+        if keep_alive is not None:
+            entry.keep_alive = keep_alive
+        if entry.timer is not None:
+            entry.timer.cancel()
+            entry.timer = None
+        entry.expires_at = None
+
+    def _release(self, entry: Entry) -> None:
+        entry.refs = max(0, entry.refs - 1)
+        entry.last_used = self._clock()
+        self._changed.set()
+        if entry.refs > 0 or self._loaded.get(entry.ref.key) is not entry:
+            return
+        if entry.keep_alive <= 0 or entry.unload_when_idle or not entry.runner.alive():
+            self._spawn(self._unload(entry, reason="keep_alive" if entry.runner.alive() else "crashed"))
+        elif entry.keep_alive != FOREVER:
+            entry.expires_at = self._clock() + entry.keep_alive
+            entry.timer = asyncio.get_running_loop().call_later(
+                entry.keep_alive, lambda: self._spawn(self._expire(entry))
+            )
+
+    async def _expire(self, entry: Entry) -> None:
+        if entry.refs == 0 and self._loaded.get(entry.ref.key) is entry:
+            await self._unload(entry, reason="expired")
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _unload(self, entry: Entry, *, reason: str) -> None:
+        if self._loaded.get(entry.ref.key) is entry:
+            del self._loaded[entry.ref.key]
+        if entry.timer is not None:
+            entry.timer.cancel()
+            entry.timer = None
+        self.counters["unloads"] += 1
+        if reason == "evicted":
+            self.counters["evictions"] += 1
+        log.info("unload model=%s reason=%s ram=%d vram=%d", entry.ref.name, reason, entry.memory.ram,
+                 entry.memory.vram)
+        try:
+            await entry.runner.close()
+        except Exception as exc:  # a dead runner is already unloaded
+            log.warning("runner close failed model=%s error=%s", entry.ref.name, exc)
+        self._changed.set()
+
+    def _views(self) -> list[Loaded]:
+        return [
+            Loaded(key=e.ref.key, memory=e.memory, busy=e.refs > 0 or e.loading, last_used=e.last_used)
+            for e in self._loaded.values()
+        ]
+
+    async def _work(self) -> None:
+        while True:
+            pending = await self._queue.get()
+            try:
+                await self._serve(pending)
+            except asyncio.CancelledError:
+                if not pending.future.done():
+                    pending.future.set_exception(SchedulerError("the server is shutting down"))
+                raise
+            except Exception as exc:  # never let one request kill the worker
+                log.exception("scheduler error: %s", exc)
+                if not pending.future.done():
+                    pending.future.set_exception(exc if isinstance(exc, CorralError) else SchedulerError(str(exc)))
+
+    async def _serve(self, p: _Pending) -> None:
+        while not p.future.done():
+            entry = self._loaded.get(p.ref.key)
+            if entry is not None:
+                if entry.spec == p.spec and entry.runner.alive() and not entry.unload_when_idle:
+                    if entry.loading and entry.ready is not None:
+                        await asyncio.shield(entry.ready)
+                        continue
+                    self._grant(entry, p.keep_alive)
+                    p.future.set_result(entry)
+                    return
+                # Options changed (or the runner died): reload once it is idle.
+                if entry.refs == 0 and not entry.loading:
+                    await self._unload(entry, reason="reload")
+                else:
+                    entry.unload_when_idle = True
+                    await self._wait_change()
+                continue
+            need = self._estimate(p.ref, p.spec)
+            budget = self._budget()
+            decision = decide(self._views(), need, budget)
+            if decision.action == "never":
+                p.future.set_exception(InsufficientMemory(p.ref.name, need, budget))
+                return
+            if decision.action == "evict":
+                for key in decision.victims:
+                    victim = self._loaded.get(key)
+                    if victim is not None and victim.refs == 0 and not victim.loading:
+                        await self._unload(victim, reason="evicted")
+                continue
+            if decision.action == "wait":
+                await self._wait_change()
+                continue
+            await self._load(p, need)
+            return
+
+    async def _wait_change(self) -> None:
+        self._changed.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout=0.5)
+
+    async def _load(self, p: _Pending, need: MemoryUse) -> None:
+        runner = self._factory(p.ref, p.spec)
+        now = self._clock()
+        keep = p.keep_alive if p.keep_alive is not None else self.default_keep_alive
+        entry = Entry(ref=p.ref, spec=p.spec, runner=runner, memory=need, keep_alive=keep, loaded_at=now,
+                      last_used=now, ready=asyncio.get_running_loop().create_future())
+        self._loaded[p.ref.key] = entry
+        started = time.monotonic()
+        log.info("load model=%s num_ctx=%d num_gpu=%d ram=%d vram=%d", p.ref.name, p.spec.num_ctx, p.spec.num_gpu,
+                 need.ram, need.vram)
+        try:
+            await runner.start()
+        except BaseException as exc:
+            if self._loaded.get(p.ref.key) is entry:
+                del self._loaded[p.ref.key]
+            assert entry.ready is not None
+            entry.ready.set_result(None)
+            self._changed.set()
+            with contextlib.suppress(Exception):
+                await runner.close()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            if not p.future.done():
+                p.future.set_exception(exc if isinstance(exc, CorralError) else RunnerError(str(exc)))
+            return
+        seconds = time.monotonic() - started
+        self.counters["loads"] += 1
+        self.counters["load_seconds"] += seconds
+        reported = runner.memory
+        if reported.total > 0:
+            entry.memory = reported
+        entry.loading = False
+        assert entry.ready is not None
+        entry.ready.set_result(None)
+        log.info("loaded model=%s seconds=%.2f ram=%d vram=%d", p.ref.name, seconds, entry.memory.ram,
+                 entry.memory.vram)
+        if p.future.done():  # the client left while we loaded: keep it warm for the keep-alive
+            entry.refs += 1
+            self._release(entry)
+            return
+        self._grant(entry, p.keep_alive)
+        p.future.set_result(entry)

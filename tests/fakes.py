@@ -1,0 +1,60 @@
+"""Fakes for the scheduler's unit tests (the real path is tested with real runners elsewhere)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from daemon.runners.base import Done, Embedding, Event, GenerateRequest, LoadFailed, LoadSpec, MemoryUse, Token
+
+
+class FakeRunner:
+    instances: list[FakeRunner] = []
+
+    def __init__(self, spec: LoadSpec, memory: MemoryUse, *, load_delay: float = 0.0, fail: bool = False) -> None:
+        self.spec = spec
+        self._memory = memory
+        self.load_delay = load_delay
+        self.fail = fail
+        self.started = False
+        self.closed = False
+        FakeRunner.instances.append(self)
+
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    @property
+    def memory(self) -> MemoryUse:
+        return self._memory
+
+    def alive(self) -> bool:
+        return self.started and not self.closed
+
+    async def start(self) -> None:
+        await asyncio.sleep(self.load_delay)
+        if self.fail:
+            raise LoadFailed("fake load failure")
+        self.started = True
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[Event]:
+        for word in req.prompt.split():
+            await asyncio.sleep(0)
+            yield Token(word)
+        yield Done("stop", 1, 1, 1, 1)
+
+    async def embed(self, inputs: list[str], *, truncate: bool = True) -> Embedding:
+        return Embedding([[1.0] for _ in inputs], len(inputs))
+
+    async def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        return "".join(map(chr, tokens))
+
+    async def close(self) -> None:
+        self.closed = True
+
+    def info(self) -> dict[str, Any]:
+        return {}
