@@ -148,7 +148,7 @@ class Creator:
             ) from None
         short = stored.name.short()
         layers = [
-            Layer(l.media_type, l.digest, l.size, from_=l.from_ or short, name=l.name) for l in stored.manifest.layers
+            Layer(l.media_type, l.digest, l.size, from_=short, name=l.name) for l in stored.manifest.layers
         ]
         config = self.catalog.config(stored.manifest)
         return layers, config

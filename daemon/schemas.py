@@ -52,3 +52,65 @@ class CreateRequest(NamedRequest):
     quantize: StrictStr | None = None
     quantization: StrictStr | None = None
     stream: StrictBool = True
+
+
+class ToolCallFunction(Wire):
+    name: StrictStr
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    index: int | None = None
+
+
+class ToolCall(Wire):
+    id: StrictStr | None = None
+    function: ToolCallFunction
+
+
+class ChatMessage(Wire):
+    role: StrictStr
+    content: StrictStr = ""
+    thinking: StrictStr | None = None
+    images: list[StrictStr] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_name: StrictStr | None = None
+    tool_call_id: StrictStr | None = None
+
+
+class InferenceRequest(NamedRequest):
+    stream: StrictBool = True
+    format: Any = None
+    keep_alive: StrictStr | int | float | None = None
+    options: dict[str, Any] | None = None
+    think: StrictBool | StrictStr | None = None
+    truncate: StrictBool = True
+    shift: StrictBool = True
+    logprobs: StrictBool = False
+    top_logprobs: int = 0
+
+
+class GenerateRequestBody(InferenceRequest):
+    prompt: StrictStr = ""
+    suffix: StrictStr = ""
+    system: StrictStr | None = None
+    template: StrictStr | None = None
+    context: list[int] | None = None
+    raw: StrictBool = False
+    images: list[StrictStr] | None = None
+
+
+class ChatRequestBody(InferenceRequest):
+    messages: list[ChatMessage] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+
+
+class EmbedRequestBody(NamedRequest):
+    input: Any = None
+    truncate: StrictBool = True
+    dimensions: int | None = None
+    keep_alive: StrictStr | int | float | None = None
+    options: dict[str, Any] | None = None
+
+
+class EmbeddingsRequestBody(NamedRequest):
+    prompt: StrictStr = ""
+    keep_alive: StrictStr | int | float | None = None
+    options: dict[str, Any] | None = None

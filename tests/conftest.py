@@ -102,3 +102,9 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
 def tiny_gguf(tmp_path: Path) -> Path:
     """A tiny random-weight llama GGUF that llama.cpp can load."""
     return write_tiny_gguf(tmp_path / "tiny.gguf")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """Async tests (marked ``anyio``) run on asyncio, the loop the daemon uses."""
+    return "asyncio"

@@ -66,7 +66,8 @@ def test_ollama_client_full_lifecycle(daemon: Daemon, tiny_gguf: Path) -> None:
     assert entry.details.quantization_level == "F32"
 
     shown = client.show("tiny-chat")
-    assert shown.system == "You are a terse assistant."
+    raw = httpx.post(daemon.url + "/api/show", json={"model": "tiny-chat"}).json()
+    assert raw["system"] == "You are a terse assistant."
     assert shown.template.startswith("{{ if .System }}")
     assert shown.license == "Apache-2.0\ntest license"
     assert "temperature" in shown.parameters and '"<|end|>"' in shown.parameters
@@ -74,13 +75,14 @@ def test_ollama_client_full_lifecycle(daemon: Daemon, tiny_gguf: Path) -> None:
     assert "FROM " + str(daemon.models / "blobs") in shown.modelfile
     assert shown.modelinfo["general.architecture"] == "llama"
     assert "completion" in shown.capabilities
-    assert [m.role for m in (shown.messages or [])] == ["user", "assistant"]
+    assert raw["messages"] == [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi there"}]
     assert shown.details.parameter_size
 
     client.copy("tiny-chat", "Team/Copy:v1")
     names = sorted(m.model for m in client.list().models)
     assert names == ["Team/Copy:v1", "tiny-chat:latest"]
-    assert client.show("team/copy:V1").system == "You are a terse assistant."  # case-insensitive
+    r = httpx.post(daemon.url + "/api/show", json={"model": "team/copy:V1"})  # case-insensitive
+    assert r.json()["system"] == "You are a terse assistant."
 
     client.delete("tiny-chat")
     assert [m.model for m in client.list().models] == ["Team/Copy:v1"]
@@ -99,7 +101,7 @@ def test_create_from_existing_model_reuses_layers(daemon: Daemon, tiny_gguf: Pat
     statuses = [p.status for p in client.create(model="mario", from_="base", system="You are Mario", stream=True)]
     assert statuses.count("creating new layer sha256:" + hashlib.sha256(b"You are Mario").hexdigest()) == 1
     shown = client.show("mario")
-    assert shown.system == "You are Mario"
+    assert httpx.post(daemon.url + "/api/show", json={"model": "mario"}).json()["system"] == "You are Mario"
     assert shown.template.startswith("{{ if .System }}")
     assert shown.details.parent_model == "base:latest"
 

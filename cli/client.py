@@ -1,0 +1,198 @@
+"""DaemonClient: the CLI's typed view of the daemon's Ollama-compatible HTTP API (httpx, JSON and NDJSON).
+
+Every failure leaves this module as a :class:`CorralError`: ``{"error": msg}`` bodies by status (400
+:class:`InvalidRequest`, 404 :class:`NotFound` / :class:`ModelNotFound`, else :class:`CorralError`, with
+``.status`` set), a refused connection as :class:`DaemonUnreachable`, other transport failures as
+:class:`DaemonConnectionError`.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from cli import __version__
+from cli.errors import DaemonConnectionError, DaemonUnreachable
+from registry.digest import Digest
+from registry.errors import CorralError, InvalidRequest, ModelNotFound, NotFound
+
+CHUNK = 1024 * 1024
+_MODEL_NOT_FOUND = re.compile(r"model ['\"](.+)['\"] not found")
+
+
+def _address(url: httpx.URL) -> str:
+    host = url.host
+    if ":" in host:
+        host = f"[{host}]"
+    port = url.port or (443 if url.scheme == "https" else 80)
+    return f"{host}:{port}"
+
+
+def error_for(status: int, message: str) -> CorralError:
+    """The exception for an error reply; ``.status`` carries the HTTP status."""
+    exc: CorralError
+    if status == 400:
+        exc = InvalidRequest(message)
+    elif status == 404:
+        m = _MODEL_NOT_FOUND.fullmatch(message)
+        exc = ModelNotFound(m.group(1), message) if m else NotFound(message)
+    else:
+        exc = CorralError(message)
+    exc.status = status  # type: ignore[attr-defined]
+    return exc
+
+
+def _message(response: httpx.Response) -> str:
+    """The ``error`` field of a JSON body, else the body text, else the status line."""
+    text = response.text.strip()
+    try:
+        body = json.loads(text) if text else None
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        return str(body["error"])
+    return text or f"{response.status_code} {response.reason_phrase}".strip()
+
+
+class DaemonClient:
+    """A synchronous client for one daemon. ``timeout`` bounds non-streaming calls (None: no limit)."""
+
+    def __init__(self, base_url: str, timeout: float | None = 60.0, *, api_key: str | None = None,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        headers = {
+            "User-Agent": f"corral/{__version__} ({platform.machine()} {platform.system().lower()}) "
+            f"Python/{platform.python_version()}",
+            "Accept": "application/json",
+        }
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers, transport=transport)
+        self.address = _address(self._http.base_url)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> DaemonClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- transport -----------------------------------------------------------------------------------------
+    @contextmanager
+    def _translate(self) -> Iterator[None]:
+        try:
+            yield
+        except httpx.ConnectError as exc:
+            raise DaemonUnreachable(self.address) from exc
+        except httpx.TimeoutException as exc:
+            raise DaemonConnectionError(f"corral at {self.address} did not answer in time") from exc
+        except httpx.TransportError as exc:
+            raise DaemonConnectionError(f"lost the connection to corral at {self.address}: {exc}") from exc
+
+    def request(self, method: str, path: str, *, json_body: Any = None, **kw: Any) -> httpx.Response:
+        """One request; an error status raises (see the module docstring)."""
+        with self._translate():
+            response = self._http.request(method, path, json=json_body, **kw)
+        if response.status_code >= 400:
+            raise error_for(response.status_code, _message(response))
+        return response
+
+    def _json(self, method: str, path: str, json_body: Any = None) -> Any:
+        response = self.request(method, path, json_body=json_body)
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise DaemonConnectionError(f"corral sent an invalid reply to {method} {path}") from exc
+
+    def stream(self, method: str, path: str, json: Any = None) -> Iterator[dict[str, Any]]:
+        """NDJSON objects from a streaming call; a line with ``error`` raises :class:`CorralError`."""
+        headers = {"Accept": "application/x-ndjson"}
+        timeout = httpx.Timeout(self.timeout, read=None)
+        with self._translate(), self._http.stream(method, path, json=json, headers=headers,
+                                                  timeout=timeout) as response:
+            if response.status_code >= 400:
+                response.read()
+                raise error_for(response.status_code, _message(response))
+            for line in response.iter_lines():
+                if not line.strip():
+                    continue
+                try:
+                    obj = _loads(line)
+                except ValueError as exc:
+                    raise DaemonConnectionError(f"corral sent an invalid line: {line[:200]!r}") from exc
+                if isinstance(obj, dict) and obj.get("error"):
+                    raise CorralError(str(obj["error"]))
+                if isinstance(obj, dict):
+                    yield obj
+
+    # -- API -----------------------------------------------------------------------------------------------
+    def heartbeat(self) -> None:
+        """``HEAD /``: raises unless the daemon answers."""
+        self.request("HEAD", "/")
+
+    def version(self) -> str:
+        return str(self._json("GET", "/api/version").get("version", ""))
+
+    def tags(self) -> list[dict[str, Any]]:
+        models = self._json("GET", "/api/tags").get("models") or []
+        return [m for m in models if isinstance(m, dict)]
+
+    def show(self, model: str, verbose: bool = False) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": model}
+        if verbose:
+            body["verbose"] = True
+        result = self._json("POST", "/api/show", body)
+        return result if isinstance(result, dict) else {}
+
+    def copy(self, src: str, dst: str) -> None:
+        self.request("POST", "/api/copy", json_body={"source": src, "destination": dst})
+
+    def delete(self, model: str) -> None:
+        self.request("DELETE", "/api/delete", json_body={"model": model})
+
+    def unload(self, model: str) -> None:
+        """``POST /api/generate {model, keep_alive: 0}``: ask the daemon to unload ``model`` now."""
+        self.request("POST", "/api/generate", json_body={"model": model, "keep_alive": 0, "stream": False})
+
+    def blob_exists(self, digest: Digest | str) -> bool:
+        d = digest if isinstance(digest, Digest) else Digest.parse(digest)
+        try:
+            self.request("HEAD", f"/api/blobs/{d}")
+        except NotFound:
+            return False
+        return True
+
+    def upload_blob(self, digest: Digest | str, path: Path,
+                    progress_callback: Callable[[int], None] | None = None) -> None:
+        """Stream ``path`` to ``POST /api/blobs/<digest>``; the daemon verifies the digest before keeping it."""
+        d = digest if isinstance(digest, Digest) else Digest.parse(digest)
+        size = path.stat().st_size
+
+        def body() -> Iterator[bytes]:
+            with path.open("rb") as f:
+                while chunk := f.read(CHUNK):
+                    yield chunk
+                    if progress_callback is not None:
+                        progress_callback(len(chunk))
+
+        timeout = httpx.Timeout(self.timeout, read=None)
+        self.request("POST", f"/api/blobs/{d}", content=body(), timeout=timeout,
+                     headers={"Content-Length": str(size), "Content-Type": "application/octet-stream"})
+
+    def create(self, payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """``POST /api/create`` (streaming): the progress objects, ending with ``{"status": "success"}``."""
+        return self.stream("POST", "/api/create", {**payload, "stream": True})
+
+
+def _loads(line: str) -> Any:
+    return json.loads(line)

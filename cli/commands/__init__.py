@@ -1,0 +1,1 @@
+"""One module per command (or small group); ``cli.main`` registers them on the typer app."""

@@ -1,0 +1,129 @@
+"""``corral create NAME [-f FILE]``: Modelfile -> local files hashed and uploaded -> ``POST /api/create``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from cli import output
+from cli.client import DaemonClient
+from cli.commands.common import client_from_env
+from cli.errors import LocalFileError
+from cli.modelfile_files import (
+    ModelfileSource,
+    adapter_files,
+    files_map,
+    hash_file,
+    model_files,
+    read_modelfile,
+    resolve_from,
+)
+from registry.digest import Digest
+from registry.errors import InvalidModelName
+from registry.names import ModelName
+
+HASH_BAR_MIN = 64 * 1024 * 1024  # hash smaller files without a bar
+
+
+def create(
+    name: Annotated[str, typer.Argument(metavar="NAME", help="Name of the new model, e.g. mario or me/mario:v2.")],
+    file: Annotated[str | None, typer.Option("--file", "-f", help='Modelfile to read (default "./Modelfile").')] = None,
+) -> None:
+    """Create a model from a Modelfile."""
+    try:
+        ModelName.parse(name)
+    except InvalidModelName:
+        raise InvalidModelName(name, f"invalid model name: {name}") from None
+    source = read_modelfile(file)
+    with client_from_env() as client:
+        client.heartbeat()
+        payload = build_request(name, source, client)
+        with output.reporter() as rep:
+            for event in client.create(payload):
+                show_event(rep, event)
+
+
+def build_request(name: str, source: ModelfileSource, client: DaemonClient) -> dict[str, Any]:
+    """Parse the Modelfile, upload its local files, and return the ``/api/create`` body."""
+    from modelfile import parse  # the parser is pure and light; loaded only when needed
+
+    mf = parse(source.data, filename=source.filename)
+    for param in mf.deprecated_parameters:
+        output.err(f"warning: parameter {param} is deprecated")
+    if getattr(mf, "drafts", ()):
+        output.err("warning: DRAFT is not supported by corral; ignored")
+
+    payload: dict[str, Any] = {"model": name}
+    model_paths: list[Path] = []
+    for value in mf.froms:
+        local = resolve_from(value, source.base_dir)
+        if local is None:
+            payload["from"] = value
+        else:
+            try:
+                model_paths += model_files(local)
+            except LocalFileError:
+                if not source.implicit:
+                    raise
+                raise LocalFileError(f'no Modelfile or GGUF files found in "{local}"; name a Modelfile with -f') \
+                    from None
+    adapter_paths = [p for value in mf.adapters for p in adapter_files(value, source.base_dir)]
+
+    digests = upload(client, model_paths + adapter_paths)
+    if model_paths:
+        payload["files"] = files_map(model_paths, digests)
+    if adapter_paths:
+        payload["adapters"] = files_map(adapter_paths, digests)
+    if mf.template is not None:
+        payload["template"] = mf.template
+    if mf.system is not None:
+        payload["system"] = mf.system
+    if mf.parameters:
+        payload["parameters"] = dict(mf.parameters)
+    if mf.messages:
+        payload["messages"] = [{"role": m.role, "content": m.content} for m in mf.messages]
+    if mf.licenses:
+        payload["license"] = list(mf.licenses)
+    for key in ("requires", "renderer", "parser"):
+        value = getattr(mf, key, None)
+        if value:
+            payload[key] = value
+    return payload
+
+
+def upload(client: DaemonClient, paths: list[Path]) -> dict[Path, Digest]:
+    """Hash each file, then send the blobs the daemon lacks (``HEAD`` first, ``POST`` on 404)."""
+    digests: dict[Path, Digest] = {}
+    if not paths:
+        return digests
+    with output.reporter() as rep:
+        rep.status("gathering model components")
+        for p in dict.fromkeys(paths):
+            size = p.stat().st_size
+            if size >= HASH_BAR_MIN and rep.live:
+                digests[p] = hash_file(p, rep.bar(("hash", p), f"hashing {p.name}", size).advance)
+            else:
+                digests[p] = hash_file(p)
+        sent: set[Digest] = set()
+        for p, d in digests.items():
+            if d in sent or client.blob_exists(d):
+                continue
+            bar = rep.bar(("copy", d), f"copying file {d}", p.stat().st_size)
+            client.upload_blob(d, p, bar.advance)
+            bar.set(bar.total)
+            sent.add(d)
+    return digests
+
+
+def show_event(rep: output.Reporter, event: dict[str, Any]) -> None:
+    """One progress object from the daemon: a byte bar when it has a total, else a status line."""
+    status = str(event.get("status", ""))
+    total = event.get("total")
+    if isinstance(total, int) and total > 0:
+        key = event.get("digest") or status
+        rep.bar(key, status, total).set(int(event.get("completed") or 0))
+    elif status:
+        rep.status(status)
+
