@@ -1,0 +1,143 @@
+"""The seam between the scheduler and whatever hosts a model: the Runner protocol and its values.
+
+The scheduler only sees :class:`Runner`; production runners are child processes (``daemon/runners/process.py``),
+tests use fakes. Nothing here imports llama_cpp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from registry.errors import CorralError
+
+
+class RunnerError(CorralError):
+    """A runner failed (status 500 unless the error says otherwise)."""
+
+    status = 500
+
+
+class LoadFailed(RunnerError):
+    pass
+
+
+class RunnerCrashed(RunnerError):
+    pass
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Everything fixed when a model is loaded; a request that needs different values reloads the model."""
+
+    model_path: str
+    adapters: tuple[str, ...] = ()
+    num_ctx: int = 4096  # per sequence slot
+    num_batch: int = 512
+    num_gpu: int = 0  # layers offloaded to the GPU (-1 = all)
+    num_thread: int = 0  # 0 = physical cores
+    use_mmap: bool | None = None
+    num_parallel: int = 1
+    embedding: bool = False
+
+
+@dataclass(frozen=True)
+class SampleParams:
+    """Per-request generation settings (Ollama option names and meanings)."""
+
+    num_predict: int = -1
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.9
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repeat_penalty: float = 1.1
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = -1
+    stop: tuple[str, ...] = ()
+    num_keep: int = 4
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    grammar: str | None = None  # GBNF, for format="json"
+    json_schema: str | None = None  # JSON schema text (format=<schema>); the runner turns it into a grammar
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str
+    params: SampleParams = field(default_factory=SampleParams)
+    add_special: bool = True  # let the tokenizer add BOS (false when the template already has it)
+    context: tuple[int, ...] = ()  # tokens to put before the prompt (the deprecated generate `context`)
+    shift: bool = True  # context shift instead of failing when the prompt is too long
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class Token:
+    """A piece of generated text (already stop-string-filtered, UTF-8 complete)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    done_reason: Literal["stop", "length"]
+    prompt_eval_count: int
+    prompt_eval_duration: int  # ns
+    eval_count: int
+    eval_duration: int  # ns
+    context: tuple[int, ...] = ()  # prompt + response tokens
+
+
+Event = Token | Done
+
+
+@dataclass(frozen=True)
+class Embedding:
+    vectors: list[list[float]]
+    prompt_eval_count: int
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    ram: int
+    vram: int
+
+    @property
+    def total(self) -> int:
+        return self.ram + self.vram
+
+
+@runtime_checkable
+class Runner(Protocol):
+    spec: LoadSpec
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def memory(self) -> MemoryUse: ...
+
+    def alive(self) -> bool: ...
+
+    async def start(self) -> None:
+        """Load the model; raise LoadFailed with llama.cpp's reason if it cannot be loaded."""
+
+    def generate(self, req: GenerateRequest) -> AsyncIterator[Event]:
+        """Tokens as they are sampled, then one Done. Closing the iterator early cancels generation."""
+
+    async def embed(self, inputs: list[str], *, truncate: bool = True) -> Embedding: ...
+
+    async def tokenize(self, text: str, *, add_special: bool = True) -> list[int]: ...
+
+    async def detokenize(self, tokens: list[int]) -> str: ...
+
+    async def close(self) -> None:
+        """Stop the runner; memory really comes back (the process ends)."""
+
+    def info(self) -> dict[str, Any]:
+        """What the runner reported after loading (n_ctx_train, n_vocab, gpu layers, buffer sizes...)."""
