@@ -219,7 +219,7 @@ class Catalog:
             "# To build a new Modelfile based on this, replace FROM with:\n"
             f"# FROM {stored.name.short()}\n\n"
         )
-        body = render(self.modelfile(manifest, shown_template, sys_text, params, messages, licenses))
+        body = render(self.modelfile(manifest, template, sys_text, params, messages, licenses))
         out: dict[str, Any] = {}
         if licenses:
             out["license"] = "\n".join(licenses)
