@@ -1,0 +1,118 @@
+"""Estimating a model's memory from its GGUF header (pure), and reading what llama.cpp reported after loading.
+
+The estimate has three parts, as llama.cpp allocates them: the weights (per layer and the rest), the KV cache
+(``num_ctx * num_parallel`` cells for every layer), and the compute buffer (dominated by the logits of one batch,
+growing with long contexts). It decides how many layers fit a VRAM budget.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from registry.gguf import GGUFInfo
+
+KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    weights_per_layer: tuple[int, ...]
+    weights_other: int
+    output_weights: int  # the output projection (on the GPU only when every layer is)
+    kv_per_layer: int
+    compute_buffer: int
+    n_gpu_layers: int
+    ram: int
+    vram: int
+
+    @property
+    def total(self) -> int:
+        return self.ram + self.vram
+
+
+def _int(info: GGUFInfo, suffix: str, default: int = 0) -> int:
+    v = info.metadata.get(f"{info.architecture}.{suffix}")
+    if isinstance(v, list):
+        v = max((x for x in v if isinstance(x, int)), default=default)
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
+
+
+def _vocab(info: GGUFInfo) -> int:
+    return _int(info, "vocab_size") or info.array_length("tokenizer.ggml.tokens") or 32000
+
+
+def estimate(info: GGUFInfo, *, num_ctx: int, num_parallel: int = 1, num_batch: int = 512, n_gpu_layers: int = 0,
+             kv_type: str = "f16") -> Estimate:
+    n_layer = info.block_count or 1
+    per_layer = [0] * n_layer
+    other = output = 0
+    for t in info.tensors:
+        m = _LAYER.match(t.name)
+        if m and int(m.group(1)) < n_layer:
+            per_layer[int(m.group(1))] += t.n_bytes
+        elif t.name.startswith("output."):
+            output += t.n_bytes
+        else:
+            other += t.n_bytes
+    n_embd = info.embedding_length or 1
+    n_head = info.head_count or 1
+    n_head_kv = info.head_count_kv or n_head
+    key_len = _int(info, "attention.key_length") or n_embd // n_head
+    val_len = _int(info, "attention.value_length") or n_embd // n_head
+    cells = max(1, num_ctx) * max(1, num_parallel)
+    kv_layer = int(cells * n_head_kv * (key_len + val_len) * KV_BYTES.get(kv_type, 2.0))
+    batch = max(1, min(num_batch, cells))
+    n_ff = _int(info, "feed_forward_length") or 4 * n_embd
+    # llama.cpp reuses graph memory, so the buffer is about the larger of the logits of one batch and the
+    # attention scores of one batch over the whole cache, plus activations (calibrated on the test models).
+    compute = (max(_vocab(info) * batch * 4, int(cells * batch * n_head * 5.5))
+               + batch * (n_embd + n_ff) * 4 + (1 << 20))
+
+    gpu = n_layer if n_gpu_layers < 0 else max(0, min(n_gpu_layers, n_layer))
+    on_gpu = range(n_layer - gpu, n_layer)  # llama.cpp offloads the last layers first
+    vram = sum(per_layer[i] for i in on_gpu) + gpu * kv_layer
+    ram = sum(per_layer[i] for i in range(n_layer - gpu)) + (n_layer - gpu) * kv_layer + other
+    if gpu == n_layer and gpu > 0:
+        vram += output + compute
+    else:
+        ram += output + compute
+        if gpu > 0:
+            vram += compute // 4  # a smaller GPU compute buffer for the offloaded part
+    return Estimate(weights_per_layer=tuple(per_layer), weights_other=other, output_weights=output,
+                    kv_per_layer=kv_layer, compute_buffer=compute, n_gpu_layers=gpu, ram=ram, vram=vram)
+
+
+def choose_gpu_layers(info: GGUFInfo, *, num_ctx: int, num_parallel: int = 1, num_batch: int = 512,
+                      vram_budget: int, requested: int | None = None) -> int:
+    """The most layers that fit ``vram_budget`` (``requested``, the num_gpu option, overrides when >= 0)."""
+    n_layer = info.block_count or 1
+    if requested is not None and requested >= 0:
+        return min(requested, n_layer)
+    if vram_budget <= 0:
+        return 0
+    for layers in range(n_layer, -1, -1):
+        est = estimate(info, num_ctx=num_ctx, num_parallel=num_parallel, num_batch=num_batch, n_gpu_layers=layers)
+        if est.vram <= vram_budget:
+            return layers
+    return 0
+
+
+_SIMPLE = re.compile(r"(\w+?)(?:_Mapped)?\s+(model|KV|compute|output|RS) buffer size\s*=\s*([\d.]+)\s*MiB")
+
+
+def parse_llama_log(lines: Iterable[str]) -> dict[str, int]:
+    """Sum llama.cpp's "<device> <kind> buffer size = N MiB" lines into {"ram": bytes, "vram": bytes}."""
+    ram = vram = 0
+    for line in lines:
+        m = _SIMPLE.search(line)
+        if not m:
+            continue
+        device, size = m.group(1), int(float(m.group(3)) * (1 << 20))
+        if device.upper().startswith("CPU"):
+            ram += size
+        else:
+            vram += size
+    return {"ram": ram, "vram": vram}
