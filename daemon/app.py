@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
 from daemon import errors
 from daemon.catalog import Catalog
-from daemon.routes import blobs, create, meta, models
+from daemon.eviction import Budget
+from daemon.inference import Inference
+from daemon.routes import blobs, create, embed, generate, meta, models, ps
+from daemon.runners.base import LoadSpec, MemoryUse, Runner
+from daemon.scheduler import ModelRef, Scheduler
 from daemon.security import DoorGuard
 from daemon.settings import Settings
 from daemon.version import VERSION
@@ -31,24 +35,74 @@ def startup_prune(store: Store, settings: Settings) -> None:
     log.info("prune removed_blobs=%d bytes_freed=%d", len(plan.blobs), freed)
 
 
-def create_app(settings: Settings, *, store: Store | None = None) -> FastAPI:
-    """Build the daemon's app. ``store`` lets the caller take the directory lock before serving."""
+def default_runner_factory(ref: ModelRef, spec: LoadSpec) -> Runner:
+    from daemon.runners.process import ProcessRunner
+
+    return ProcessRunner(spec)
+
+
+def default_estimator(catalog: Catalog) -> Callable[[ModelRef, LoadSpec], MemoryUse]:
+    from daemon.memory import estimate
+    from registry.gguf import read_gguf_file
+
+    def run(ref: ModelRef, spec: LoadSpec) -> MemoryUse:
+        info = read_gguf_file(spec.model_path)
+        est = estimate(info, num_ctx=spec.num_ctx, num_parallel=spec.num_parallel, num_batch=spec.num_batch,
+                       n_gpu_layers=spec.num_gpu)
+        return MemoryUse(ram=est.ram, vram=est.vram)
+
+    return run
+
+
+def create_app(
+    settings: Settings,
+    *,
+    store: Store | None = None,
+    runner_factory: Callable[[ModelRef, LoadSpec], Runner] | None = None,
+    estimator: Callable[[ModelRef, LoadSpec], MemoryUse] | None = None,
+) -> FastAPI:
+    """Build the daemon's app. ``store`` lets the caller take the directory lock before serving; the runner
+    factory and the memory estimator can be replaced (tests)."""
+    from daemon.hardware import budgets, describe, detect
+
     the_store = store or Store(settings.models)
+    catalog = Catalog(the_store)
+    hw = detect()
+    the_budgets = budgets(hw, settings.ram_budget, settings.vram_budget)
+    scheduler = Scheduler(
+        runner_factory=runner_factory or default_runner_factory,
+        estimate=estimator or default_estimator(catalog),
+        budget=lambda: Budget(ram=the_budgets.ram, vram=the_budgets.vram, max_loaded=settings.max_loaded_models),
+        default_keep_alive=settings.keep_alive,
+        max_queue=settings.max_queue,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         startup_prune(the_store, settings)
+        for line in describe(hw, the_budgets):
+            log.info("%s", line)
+        scheduler.start()
         log.info("corral ready version=%s models=%s", VERSION, the_store.root)
-        yield
-        log.info("corral shutting down")
+        try:
+            yield
+        finally:
+            log.info("corral shutting down; unloading models")
+            await scheduler.close()
 
     app = FastAPI(title="corral", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.settings = settings
     app.state.store = the_store
-    app.state.catalog = Catalog(the_store)
+    app.state.catalog = catalog
+    app.state.scheduler = scheduler
+    app.state.hardware = hw
+    app.state.budgets_json = {"ram": the_budgets.ram, "vram": the_budgets.vram,
+                              "max_loaded_models": settings.max_loaded_models}
+    app.state.inference = Inference(catalog, scheduler, settings, vram_budget=the_budgets.vram,
+                                    physical_cores=hw.physical_cores)
     errors.install(app)
-    for module in (meta, models, blobs, create):
+    for module in (meta, models, blobs, create, generate, embed, ps):
         app.include_router(module.router)
     app.add_middleware(DoorGuard, loopback=settings.host.is_loopback, origins=settings.origins)
     return app

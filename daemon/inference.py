@@ -1,0 +1,241 @@
+"""From an API request to a runner: resolve the model, merge and check options, build the load spec and the
+sampling parameters, and hold a scheduler lease while the runner works."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from daemon.catalog import Catalog
+from daemon.scheduler import Lease, ModelRef, Scheduler
+from daemon.runners.base import LoadSpec, SampleParams
+from daemon.settings import Settings, SettingsError, parse_duration
+from modelfile.params import DEFAULT_OPTIONS, DEPRECATED_OPTIONS, OPTION_TYPES, validate_options
+from registry.errors import CorralError, InvalidRequest
+from registry.gguf import GGUFInfo
+from registry.manifest import MEDIA_ADAPTER, MEDIA_MODEL, MEDIA_PROJECTOR
+from registry.names import ModelName
+from registry.store import StoredModel
+
+log = logging.getLogger(__name__)
+
+# A generic JSON grammar (GBNF) for format: "json": any JSON object.
+JSON_GBNF = r"""
+root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
+array  ::= "[" ws ( value ("," ws value)* )? "]" ws
+string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\bfnrt/] | "u" [0-9a-fA-F]{4}) )* "\"" ws
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+ws     ::= | " " | "\n" [ \t]{0,20}
+"""
+
+
+def now_rfc3339() -> str:
+    """UTC with nanosecond precision, as Ollama's created_at."""
+    dt = datetime.now(timezone.utc)
+    return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond:06d}000Z"
+
+
+def keep_alive_value(raw: Any) -> float | None:
+    """A request's keep_alive in seconds (inf = forever), or None when absent."""
+    if raw is None:
+        return None
+    try:
+        return parse_duration(raw, "keep_alive")
+    except SettingsError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+@dataclass
+class ModelContext:
+    raw: str  # the name as the client gave it
+    name: ModelName
+    stored: StoredModel
+    model_path: Path
+    adapters: tuple[str, ...]
+    info: GGUFInfo
+    template: str | None  # the Go TEMPLATE layer
+    system: str | None
+    params: dict[str, Any]
+    messages: list[dict[str, str]]
+    capabilities: list[str]
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.info.chat_template
+
+    @property
+    def ref(self) -> ModelRef:
+        return ModelRef(key=str(self.name), name=self.name.short(), digest=self.stored.manifest.digest.hex,
+                        details=self.details)
+
+
+class Inference:
+    def __init__(self, catalog: Catalog, scheduler: Scheduler, settings: Settings, *, vram_budget: int = 0,
+                 physical_cores: int = 0) -> None:
+        self.catalog = catalog
+        self.scheduler = scheduler
+        self.settings = settings
+        self.vram_budget = vram_budget
+        self.physical_cores = physical_cores
+
+    # -- the model ---------------------------------------------------------------------------------------------
+    def model(self, raw: str) -> ModelContext:
+        stored = self.catalog.get(raw)
+        manifest = stored.manifest
+        layer = manifest.first(MEDIA_MODEL)
+        if layer is None:
+            raise InvalidRequest(f"model '{raw}' has no GGUF model layer and cannot be run")
+        info = self.catalog.gguf(layer.digest)
+        template = self.catalog.template_text(manifest)
+        return ModelContext(
+            raw=raw,
+            name=stored.name,
+            stored=stored,
+            model_path=self.catalog.store.blob_path(layer.digest),
+            adapters=tuple(str(self.catalog.store.blob_path(a.digest)) for a in manifest.layers_of(MEDIA_ADAPTER)),
+            info=info,
+            template=template,
+            system=self.catalog.system_text(manifest),
+            params=self.catalog.params(manifest),
+            messages=self.catalog.messages(manifest),
+            capabilities=self.catalog.capabilities(manifest, info, template),
+            details=self.catalog.details(manifest),
+        )
+
+    def has_projector(self, ctx: ModelContext) -> bool:
+        return ctx.stored.manifest.first(MEDIA_PROJECTOR) is not None
+
+    # -- options -----------------------------------------------------------------------------------------------
+    def options(self, ctx: ModelContext, request_options: Any) -> dict[str, Any]:
+        """Built-in defaults < the model's PARAMETERs < the request's options (checked; unknown keys ignored)."""
+        if request_options is None:
+            request_options = {}
+        if not isinstance(request_options, dict):
+            raise InvalidRequest(f"options must be an object, got {type(request_options).__name__}")
+        merged: dict[str, Any] = dict(DEFAULT_OPTIONS)
+        merged.update(validate_options(ctx.params, ignore_unknown=True))
+        unknown = [k for k in request_options if k not in OPTION_TYPES and k not in DEPRECATED_OPTIONS]
+        if unknown:
+            log.warning("invalid option provided options=%s", ",".join(map(str, unknown)))
+        merged.update(validate_options(request_options, ignore_unknown=True))
+        self._check_ranges(merged)
+        return merged
+
+    @staticmethod
+    def _check_ranges(o: dict[str, Any]) -> None:
+        def bad(key: str, why: str) -> None:
+            raise InvalidRequest(f'option "{key}" {why}, got {o[key]!r}')
+
+        if o["num_ctx"] < 1 or o["num_ctx"] > 1 << 24:
+            bad("num_ctx", "must be between 1 and 16777216")
+        if o["num_batch"] < 1 or o["num_batch"] > 1 << 20:
+            bad("num_batch", "must be between 1 and 1048576")
+        if o["temperature"] < 0:
+            bad("temperature", "must not be negative")
+        for key in ("top_p", "min_p", "typical_p"):
+            if not 0 <= o[key] <= 1:
+                bad(key, "must be between 0 and 1")
+        if o["top_k"] < 0:
+            bad("top_k", "must not be negative")
+        if o["repeat_last_n"] < -1:
+            bad("repeat_last_n", "must be -1 (the whole context), 0 (off) or more")
+        if o["num_thread"] < 0 or o["num_thread"] > 1024:
+            bad("num_thread", "must be between 0 (automatic) and 1024")
+        if o["num_keep"] < -1:
+            bad("num_keep", "must be -1 or more")
+        if o["num_predict"] < -2:
+            bad("num_predict", "must be -1 (no limit) or more")
+        if o["num_gpu"] < -1:
+            bad("num_gpu", "must be -1 (automatic) or a layer count")
+
+    def load_spec(self, ctx: ModelContext, opts: dict[str, Any], *, embedding: bool = False) -> LoadSpec:
+        trained = ctx.info.context_length or opts["num_ctx"]
+        num_ctx = max(4, min(int(opts["num_ctx"]), int(trained)))
+        if self.has_projector(ctx):
+            num_ctx = max(num_ctx, 2048)
+        num_batch = min(int(opts["num_batch"]), num_ctx) if embedding else int(opts["num_batch"])
+        num_gpu = int(opts["num_gpu"])
+        if num_gpu < 0:
+            num_gpu = self.choose_gpu_layers(ctx, num_ctx, num_batch)
+        num_thread = int(opts["num_thread"]) or self.physical_cores
+        return LoadSpec(
+            model_path=str(ctx.model_path),
+            adapters=ctx.adapters,
+            num_ctx=num_ctx,
+            num_batch=num_batch,
+            num_gpu=num_gpu,
+            num_thread=num_thread,
+            use_mmap=opts.get("use_mmap"),
+            num_parallel=max(1, self.settings.num_parallel or 1),
+            embedding=embedding,
+        )
+
+    def choose_gpu_layers(self, ctx: ModelContext, num_ctx: int, num_batch: int) -> int:
+        if self.vram_budget <= 0:
+            return 0
+        from daemon.memory import choose_gpu_layers
+
+        return choose_gpu_layers(ctx.info, num_ctx=num_ctx, num_parallel=max(1, self.settings.num_parallel or 1),
+                                 num_batch=num_batch, vram_budget=self.vram_budget)
+
+    @staticmethod
+    def sample_params(opts: dict[str, Any], fmt: Any = None) -> SampleParams:
+        grammar, schema = grammar_for(fmt)
+        stop = opts.get("stop") or []
+        if isinstance(stop, str):
+            stop = [stop]
+        num_predict = int(opts["num_predict"])
+        return SampleParams(
+            num_predict=num_predict,
+            temperature=float(opts["temperature"]),
+            top_k=int(opts["top_k"]),
+            top_p=float(opts["top_p"]),
+            min_p=float(opts["min_p"]),
+            typical_p=float(opts["typical_p"]),
+            repeat_penalty=float(opts["repeat_penalty"]),
+            repeat_last_n=int(opts["repeat_last_n"]),
+            presence_penalty=float(opts["presence_penalty"]),
+            frequency_penalty=float(opts["frequency_penalty"]),
+            seed=int(opts["seed"]),
+            stop=tuple(s for s in stop if s),
+            num_keep=int(opts["num_keep"]),
+            grammar=grammar,
+            json_schema=schema,
+        )
+
+    async def acquire(self, ctx: ModelContext, spec: LoadSpec, keep_alive: float | None) -> Lease:
+        return await self.scheduler.acquire(ctx.ref, spec, keep_alive)
+
+
+def grammar_for(fmt: Any) -> tuple[str | None, str | None]:
+    """``format`` -> (GBNF grammar, JSON schema text); the runner turns a schema into a grammar."""
+    if fmt is None or fmt == "" or fmt == "null":
+        return None, None
+    if fmt == "json":
+        return JSON_GBNF, None
+    if isinstance(fmt, dict):
+        if not fmt:
+            return JSON_GBNF, None
+        return None, json.dumps(fmt)
+    if isinstance(fmt, str):
+        try:
+            parsed = json.loads(fmt)
+        except ValueError:
+            raise InvalidRequest(f'invalid format: "{fmt}"; use "json" or a JSON schema object') from None
+        return grammar_for(parsed)
+    raise InvalidRequest('invalid format: use "json" or a JSON schema object')
+
+
+def normalise(vec: list[float]) -> list[float]:
+    if any(math.isnan(x) or math.isinf(x) for x in vec):
+        raise CorralError("embedding contains NaN or Inf values")
+    norm = math.sqrt(sum(x * x for x in vec))
+    return [x / norm for x in vec] if norm > 0 else list(vec)

@@ -1,0 +1,270 @@
+"""The daemon's side of a runner: a child process per loaded model, spoken to over its stdin/stdout pipes.
+
+This module never imports llama_cpp. A crash of llama.cpp (abort, segfault) ends only the child: requests in
+flight get :class:`RunnerCrashed`, and the scheduler loads the model again on the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+from daemon.runners.base import (
+    Done,
+    Embedding,
+    Event,
+    GenerateRequest,
+    LoadFailed,
+    LoadSpec,
+    MemoryUse,
+    RunnerCrashed,
+    RunnerError,
+    Token,
+)
+from daemon.runners.protocol import HEADER, MAX_FRAME, encode
+from registry.errors import InvalidRequest
+
+LOAD_TIMEOUT = 300.0
+_CRASH = object()
+
+
+class RunnerRequestError(InvalidRequest):
+    """The runner refused a request (a 400: prompt too long, bad grammar...)."""
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "it stopped"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class ProcessRunner:
+    def __init__(self, spec: LoadSpec, *, python: str = sys.executable, env: dict[str, str] | None = None,
+                 log: logging.Logger | None = None) -> None:
+        self.spec = spec
+        self._python = python
+        self._env = env
+        self._log = log or logging.getLogger("daemon.runner")
+        self._proc: asyncio.subprocess.Process | None = None
+        self._info: dict[str, Any] = {}
+        self._stderr: deque[str] = deque(maxlen=50)
+        self._queues: dict[int, asyncio.Queue[Any]] = {}
+        self._next_id = 0
+        self._lock = asyncio.Lock()
+        self._reader: asyncio.Task[None] | None = None
+        self._err_reader: asyncio.Task[None] | None = None
+        self._loaded: asyncio.Future[dict[str, Any]] | None = None
+        self._dead = False
+        self._memory = MemoryUse(0, 0)
+
+    # -- Runner protocol -------------------------------------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def memory(self) -> MemoryUse:
+        return self._memory
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None and not self._dead
+
+    def info(self) -> dict[str, Any]:
+        return {k: v for k, v in self._info.items() if k != "log_lines"}
+
+    async def start(self) -> None:
+        env = dict(self._env if self._env is not None else os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self._proc = await asyncio.create_subprocess_exec(
+            self._python, "-m", "daemon.runners.llama_cpp",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env=env, limit=MAX_FRAME,
+        )
+        self._loaded = asyncio.get_running_loop().create_future()
+        self._reader = asyncio.ensure_future(self._read_frames())
+        self._err_reader = asyncio.ensure_future(self._read_stderr())
+        self._send({"op": "load", "spec": dataclasses.asdict(self.spec)})
+        try:
+            msg = await asyncio.wait_for(asyncio.shield(self._loaded), LOAD_TIMEOUT)
+        except asyncio.TimeoutError:
+            await self.close()
+            raise LoadFailed(f"timed out loading {self.spec.model_path} after {LOAD_TIMEOUT:.0f}s") from None
+        if msg.get("type") != "loaded":
+            await self.close()
+            detail = msg.get("message") or "the runner exited"
+            tail = "; ".join(line for line in list(self._stderr)[-3:] if line.strip())
+            raise LoadFailed(f"llama runner process has terminated: {detail}" + (f" ({tail})" if tail else ""))
+        self._info = msg.get("info") or {}
+        from daemon.memory import parse_llama_log
+
+        sizes = parse_llama_log(self._info.get("log_lines") or [])
+        self._memory = MemoryUse(ram=sizes["ram"], vram=sizes["vram"])
+        self._log.info("runner loaded pid=%s model=%s ram=%d vram=%d", self.pid, self.spec.model_path,
+                       self._memory.ram, self._memory.vram)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[Event]:  # type: ignore[override]
+        async with self._lock:
+            rid, q = self._open()
+            payload = dataclasses.asdict(req)
+            payload["params"]["stop"] = list(req.params.stop)
+            self._send({"op": "generate", "id": rid, "req": payload})
+            finished = False
+            try:
+                while True:
+                    msg = await q.get()
+                    if msg is _CRASH:
+                        raise self._crashed()
+                    kind = msg.get("type")
+                    if kind == "token":
+                        yield Token(msg["text"])
+                    elif kind == "done":
+                        finished = True
+                        yield Done(done_reason=msg["done_reason"], prompt_eval_count=msg["prompt_eval_count"],
+                                   prompt_eval_duration=msg["prompt_eval_duration"], eval_count=msg["eval_count"],
+                                   eval_duration=msg["eval_duration"], context=tuple(msg.get("context") or ()))
+                        return
+                    elif kind == "error":
+                        finished = True
+                        raise self._error(msg)
+            finally:
+                if not finished and self.alive():
+                    # the consumer left early: cancel and wait for the runner to finish this request
+                    self._send({"op": "cancel", "id": rid})
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._drain(q), 30)
+                self._queues.pop(rid, None)
+
+    async def embed(self, inputs: list[str], *, truncate: bool = True) -> Embedding:
+        msg = await self._call({"op": "embed", "inputs": inputs, "truncate": truncate})
+        return Embedding(vectors=msg["vectors"], prompt_eval_count=msg["prompt_eval_count"])
+
+    async def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        return list((await self._call({"op": "tokenize", "text": text, "add_special": add_special}))["tokens"])
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        return str((await self._call({"op": "detokenize", "tokens": tokens}))["text"])
+
+    async def close(self) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.returncode is None:
+            with contextlib.suppress(Exception):
+                self._send({"op": "shutdown"})
+            try:
+                await asyncio.wait_for(proc.wait(), 5)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        self._dead = True
+        for task in (self._reader, self._err_reader):
+            if task is not None:
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(task, 2)
+
+    # -- internals -------------------------------------------------------------------------------------------------
+    def _open(self) -> tuple[int, asyncio.Queue[Any]]:
+        if not self.alive():
+            raise self._crashed()
+        self._next_id += 1
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        self._queues[self._next_id] = q
+        return self._next_id, q
+
+    async def _drain(self, q: asyncio.Queue[Any]) -> None:
+        while True:
+            msg = await q.get()
+            if msg is _CRASH or msg.get("type") in ("done", "error"):
+                return
+
+    async def _call(self, payload: dict[str, Any]) -> dict[str, Any]:
+        async with self._lock:
+            rid, q = self._open()
+            try:
+                self._send({**payload, "id": rid})
+                msg = await q.get()
+                if msg is _CRASH:
+                    raise self._crashed()
+                if msg.get("type") == "error":
+                    raise self._error(msg)
+                return msg  # type: ignore[no-any-return]
+            finally:
+                self._queues.pop(rid, None)
+
+    def _send(self, obj: dict[str, Any]) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        if self._proc.stdin.is_closing():
+            raise self._crashed()
+        self._proc.stdin.write(encode(obj))
+
+    def _error(self, msg: dict[str, Any]) -> Exception:
+        if int(msg.get("status", 500)) == 400:
+            return RunnerRequestError(str(msg.get("message")))
+        err = RunnerError(str(msg.get("message")))
+        err.status = int(msg.get("status", 500))
+        return err
+
+    def _crashed(self) -> RunnerCrashed:
+        code = self._proc.returncode if self._proc else None
+        tail = "; ".join(line for line in list(self._stderr)[-2:] if line.strip())
+        return RunnerCrashed(
+            f"the model runner stopped unexpectedly ({_describe_exit(code)})"
+            + (f": {tail}" if tail and code not in (None, -9) else "")
+            + "; the model will be loaded again on the next request"
+        )
+
+    async def _read_frames(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        out = self._proc.stdout
+        try:
+            while True:
+                head = await out.readexactly(HEADER.size)
+                (n,) = HEADER.unpack(head)
+                import json
+
+                msg = json.loads(await out.readexactly(n))
+                if msg.get("type") in ("loaded", "load_error"):
+                    if self._loaded is not None and not self._loaded.done():
+                        self._loaded.set_result(msg)
+                    continue
+                q = self._queues.get(int(msg.get("id", -1)))
+                if q is not None:
+                    q.put_nowait(msg)
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+            pass
+        finally:
+            self._dead = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._proc.wait(), 5)
+            if self._loaded is not None and not self._loaded.done():
+                self._loaded.set_result({"type": "load_error",
+                                         "message": f"the runner exited ({_describe_exit(self._proc.returncode)})"})
+            for q in self._queues.values():
+                q.put_nowait(_CRASH)
+            if self._proc.returncode not in (0, None):
+                self._log.warning("runner exited pid=%s %s", self._proc.pid, _describe_exit(self._proc.returncode))
+
+    async def _read_stderr(self) -> None:
+        assert self._proc is not None and self._proc.stderr is not None
+        while True:
+            line = await self._proc.stderr.readline()
+            if not line:
+                return
+            text = line.decode("utf-8", errors="replace").rstrip()
+            self._stderr.append(text)
+            self._log.debug("runner pid=%s: %s", self._proc.pid, text)
