@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,10 +37,17 @@ ws     ::= | " " | "\n" [ \t]{0,20}
 """
 
 
+_second_cache: list[Any] = [-1, ""]
+
+
 def now_rfc3339() -> str:
-    """UTC with nanosecond precision, as Ollama's created_at."""
-    dt = datetime.now(timezone.utc)
-    return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond:06d}000Z"
+    """UTC with nanosecond precision, as Ollama's created_at (the per-second prefix is cached: hot path)."""
+    ns = time.time_ns()
+    sec, frac = divmod(ns, 1_000_000_000)
+    if _second_cache[0] != sec:
+        _second_cache[0] = sec
+        _second_cache[1] = datetime.fromtimestamp(sec, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.")
+    return f"{_second_cache[1]}{frac:09d}Z"
 
 
 def keep_alive_value(raw: Any) -> float | None:

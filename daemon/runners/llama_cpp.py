@@ -162,9 +162,8 @@ class Runner:
                     break
                 if self.is_eog(token):
                     break
-                prev = tokens + out_tokens
                 out_tokens.append(token)
-                piece = llm.detokenize([token], prev_tokens=prev)
+                piece = llm.detokenize([token])
                 pending += decoder.decode(piece)
                 emit, hit = split_stop(pending, stops)
                 if emit:
