@@ -56,17 +56,13 @@ def check_relative(path: str) -> None:
 
 
 def check_template(template: str) -> None:
-    """A light syntax check of a Go template: every action opened with ``{{`` is closed with ``}}``."""
-    pos = 0
-    while True:
-        start = template.find("{{", pos)
-        if start < 0:
-            return
-        end = template.find("}}", start + 2)
-        if end < 0:
-            line = template.count("\n", 0, start) + 1
-            raise InvalidRequest(f'template error: line {line}: unclosed action "{{{{" (missing "}}}}")')
-        pos = end + 2
+    """A TEMPLATE must parse as a Go template (Ollama's 400 ``template error: ...``)."""
+    from daemon.gotemplate import TemplateError, parse
+
+    try:
+        parse(template)
+    except TemplateError as exc:
+        raise InvalidRequest(f"template error: {exc}") from None
 
 
 class Creator:
