@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import socket
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -39,6 +41,16 @@ def bind(settings: Settings) -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT after a graceful shutdown; a clean shutdown should exit 0 instead."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
+
+
 def serve(settings: Settings) -> int:
     logs.configure(settings.debug)
     store = Store(settings.models)
@@ -48,7 +60,7 @@ def serve(settings: Settings) -> int:
         log.info("listening address=%s models=%s", settings.host, store.root)
         app = create_app(settings, store=store)
         config = uvicorn.Config(app, log_config=None, access_log=settings.debug > 0, timeout_graceful_shutdown=10)
-        uvicorn.Server(config).run(sockets=[sock])
+        _Server(config).run(sockets=[sock])
     finally:
         store.unlock()
     return 0
