@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from daemon import errors
+from daemon.auth import APIKeyGate
 from daemon.catalog import Catalog
 from daemon.eviction import Budget
 from daemon.inference import Inference
@@ -104,5 +105,7 @@ def create_app(
     errors.install(app)
     for module in (meta, models, blobs, create, generate, embed, ps):
         app.include_router(module.router)
+    if settings.api_key:
+        app.add_middleware(APIKeyGate, key=settings.api_key)
     app.add_middleware(DoorGuard, loopback=settings.host.is_loopback, origins=settings.origins)
     return app

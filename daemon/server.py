@@ -51,7 +51,17 @@ class _Server(uvicorn.Server):
             self._captured_signals.clear()
 
 
-def serve(settings: Settings) -> int:
+class InsecureBind(CorralError):
+    pass
+
+
+def serve(settings: Settings, *, insecure: bool = False) -> int:
+    if not settings.host.is_loopback and not settings.api_key and not insecure:
+        raise InsecureBind(
+            f"refusing to listen on {settings.host} without an API key: anyone who can reach this address could "
+            "use and change your models. Set CORRAL_API_KEY (or CORRAL_API_KEY_FILE), bind to 127.0.0.1, or pass "
+            "--insecure if you really mean to serve without a key"
+        )
     logs.configure(settings.debug)
     store = Store(settings.models)
     store.lock()

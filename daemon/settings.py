@@ -34,6 +34,7 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
     "CORRAL_NOPRUNE": ("do not prune unused blobs at startup", "false"),
     "CORRAL_DEBUG": ("log level: 0 info, 1 debug, 2 trace", "0"),
     "CORRAL_API_KEY": ("require this key (Authorization: Bearer or x-api-key) on every request", ""),
+    "CORRAL_API_KEY_FILE": ("read the API key from this file instead (first line)", ""),
     "CORRAL_RAM_BUDGET": ("bytes of RAM loaded models may use, e.g. 8GiB", "free RAM less a reserve"),
     "CORRAL_VRAM_BUDGET": ("bytes of VRAM loaded models may use, e.g. 20GiB", "free VRAM less a reserve"),
 }
@@ -181,6 +182,19 @@ def _int(environ: Mapping[str, str], key: str, default: int) -> int:
     return value
 
 
+def _key_file(path: str) -> str | None:
+    if not path:
+        return None
+    try:
+        lines = Path(path).expanduser().read_text().splitlines()
+    except OSError as exc:
+        raise SettingsError(f'CORRAL_API_KEY_FILE "{path}" cannot be read: {exc.strerror or exc}') from None
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise SettingsError(f'CORRAL_API_KEY_FILE "{path}" is empty; put the key on its first line')
+    return key
+
+
 def default_models_dir() -> Path:
     import platformdirs
 
@@ -224,7 +238,7 @@ class Settings:
             origins=tuple(o.strip() for o in get("CORRAL_ORIGINS").split(",") if o.strip()),
             noprune=_bool(get("CORRAL_NOPRUNE")) if get("CORRAL_NOPRUNE") else False,
             debug=debug,
-            api_key=get("CORRAL_API_KEY") or None,
+            api_key=get("CORRAL_API_KEY") or _key_file(get("CORRAL_API_KEY_FILE")),
             ram_budget=parse_bytes(ram, "CORRAL_RAM_BUDGET") if ram else None,
             vram_budget=parse_bytes(vram, "CORRAL_VRAM_BUDGET") if vram else None,
         )

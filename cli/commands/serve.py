@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+from typing import Annotated
+
+import typer
 
 from daemon.settings import Settings, env_help
 
@@ -14,9 +17,12 @@ def help_text() -> str:
     return f"{SUMMARY}\n\n\b\n{env_help()}"
 
 
-def serve() -> int:
+def serve(
+    insecure: Annotated[bool, typer.Option(
+        "--insecure", help="Allow listening on a non-loopback address without CORRAL_API_KEY.")] = False,
+) -> int:
     """Start corral."""
     settings = Settings.from_env(os.environ)
     from daemon.server import serve as run_daemon
 
-    return run_daemon(settings)
+    return run_daemon(settings, insecure=insecure)
