@@ -6,10 +6,12 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from daemon import errors
 from daemon.auth import APIKeyGate
+from daemon.observe import Metrics, Observe
 from daemon.catalog import Catalog
 from daemon.eviction import Budget
 from daemon.inference import Inference
@@ -105,7 +107,19 @@ def create_app(
     errors.install(app)
     for module in (meta, models, blobs, create, generate, embed, ps):
         app.include_router(module.router)
+    metrics = Metrics(scheduler)
+    app.state.metrics = metrics
+
+    @app.get("/metrics")
+    def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
     if settings.api_key:
         app.add_middleware(APIKeyGate, key=settings.api_key)
+    app.add_middleware(Observe, metrics=metrics)
     app.add_middleware(DoorGuard, loopback=settings.host.is_loopback, origins=settings.origins)
     return app

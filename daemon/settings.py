@@ -33,6 +33,7 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
     "CORRAL_ORIGINS": ("extra browser origins allowed, comma-separated (wildcards allowed)", ""),
     "CORRAL_NOPRUNE": ("do not prune unused blobs at startup", "false"),
     "CORRAL_DEBUG": ("log level: 0 info, 1 debug, 2 trace", "0"),
+    "CORRAL_LOG_PROMPTS": ("log each request's prompt (off: prompts are private)", "false"),
     "CORRAL_API_KEY": ("require this key (Authorization: Bearer or x-api-key) on every request", ""),
     "CORRAL_API_KEY_FILE": ("read the API key from this file instead (first line)", ""),
     "CORRAL_RAM_BUDGET": ("bytes of RAM loaded models may use, e.g. 8GiB", "free RAM less a reserve"),
@@ -213,6 +214,7 @@ class Settings:
     noprune: bool = False
     debug: int = 0
     api_key: str | None = field(default=None, repr=False)
+    log_prompts: bool = False
     ram_budget: int | None = None
     vram_budget: int | None = None
 
@@ -239,6 +241,7 @@ class Settings:
             noprune=_bool(get("CORRAL_NOPRUNE")) if get("CORRAL_NOPRUNE") else False,
             debug=debug,
             api_key=get("CORRAL_API_KEY") or _key_file(get("CORRAL_API_KEY_FILE")),
+            log_prompts=_bool(get("CORRAL_LOG_PROMPTS")),
             ram_budget=parse_bytes(ram, "CORRAL_RAM_BUDGET") if ram else None,
             vram_budget=parse_bytes(vram, "CORRAL_VRAM_BUDGET") if vram else None,
         )

@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from daemon import prompt as prompts
 from daemon.bodies import read_model
 from daemon.errors import error_response
+from daemon.observe import note
 from daemon.inference import Inference, ModelContext, keep_alive_value, now_rfc3339
 from daemon.runners.base import Done, GenerateRequest, Token
 from daemon.scheduler import Lease
@@ -114,6 +115,8 @@ def _check_images(ctx: ModelContext, images: list[str] | None) -> None:
 
 
 def _metrics(done: Done, started: float, lease: Lease) -> dict[str, Any]:
+    note(model=lease.entry.ref.name, prompt_eval_count=done.prompt_eval_count, eval_count=done.eval_count,
+         eval_duration=done.eval_duration, ttft=lease.load_duration + done.prompt_eval_duration / 1e9)
     return {
         "total_duration": int((time.monotonic() - started) * 1e9),
         "load_duration": int(lease.load_duration * 1e9),
@@ -188,6 +191,8 @@ async def generate(request: Request) -> Response:
             None if req.template else ctx.chat_template,
             prompt=req.prompt, system=system, suffix=req.suffix or None, messages_history=history,
         )
+    if inf.settings.log_prompts:
+        note(prompt=text)
     greq = GenerateRequest(prompt=text, params=params, context=tuple(req.context or ()), shift=req.shift,
                            truncate=req.truncate)
     lease = await inf.acquire(ctx, inf.load_spec(ctx, opts), keep_alive)
@@ -328,6 +333,8 @@ async def chat(request: Request) -> Response:
     except BaseException:
         lease.release()
         raise
+    if inf.settings.log_prompts:
+        note(prompt=text)
     greq = GenerateRequest(prompt=text, params=params, shift=req.shift, truncate=req.truncate)
     buffer_for_tools = bool(req.tools)
 

@@ -1,0 +1,35 @@
+"""Request logs and /metrics."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import Daemon
+
+
+def test_metrics_count_tokens_and_log_lines(daemon: Daemon, tiny_gguf: Path) -> None:
+    data = tiny_gguf.read_bytes()
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    with httpx.Client(base_url=daemon.url, timeout=60) as h:
+        h.post(f"/api/blobs/{digest}", content=data)
+        h.post("/api/create", json={"model": "t", "files": {"t.gguf": digest}, "stream": False})
+        r = h.post("/api/generate", json={"model": "t", "prompt": "a b c", "raw": True, "stream": False,
+                                          "options": {"num_predict": 5, "temperature": 0}})
+        body = r.json()
+        text = h.get("/metrics").text
+        assert h.get("/health").json() == {"status": "ok"}
+    generated = re.search(r'^corral_generated_tokens_total\{model="t:latest"\} ([\d.]+)$', text, re.M)
+    prompt = re.search(r'^corral_prompt_tokens_total\{model="t:latest"\} ([\d.]+)$', text, re.M)
+    assert generated and float(generated.group(1)) == body["eval_count"]
+    assert prompt and float(prompt.group(1)) == body["prompt_eval_count"]
+    assert re.search(r'^corral_requests_total\{endpoint="/api/generate",status="200"\} 1\.0$', text, re.M)
+    assert "corral_loaded_models 1.0" in text and "corral_model_loads_total 1.0" in text
+    assert "corral_time_to_first_token_seconds_count" in text
+    log = daemon.log.read_text()
+    line = [ln for ln in log.splitlines() if "path=/api/generate" in ln][0]
+    assert "status=200" in line and "model=t:latest" in line and f"eval_count={body['eval_count']}" in line
+    assert "a b c" not in log  # prompts are not logged
