@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 
 from cli import output
-from cli.commands import create, listing, manage, serve, show, version
+from cli.commands import create, listing, manage, serve, service, show, version
 from cli.errors import render_error
 from registry.errors import CorralError
 
@@ -52,6 +52,7 @@ app.command("list")(listing.list_models)
 app.command("ls", hidden=True)(listing.list_models)
 app.command("cp")(manage.copy)
 app.command("rm")(manage.remove)
+app.add_typer(service.app, name="service")
 
 
 def debug_enabled(environ: Mapping[str, str]) -> bool:
