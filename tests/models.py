@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -57,17 +58,17 @@ def write_tiny_gguf(
     w.add_tokenizer_model("llama")
     byte_tokens = [f"<0x{b:02X}>".encode() for b in range(256)] if byte_fallback else []
     n_words = max(n_vocab - 3 - len(byte_tokens), 16)
+    # "▁a".."▁z", "▁aa".."▁zz", ...: unique SentencePiece-style words, so short English-ish text tokenizes
     letters = "abcdefghijklmnopqrstuvwxyz"
-    words = [("\u2581" + letters[i % 26] + (letters[(i // 26) % 26] if i >= 26 else "")).encode() for i in range(n_words)]
-    # make every token unique
-    words = [wd if i < 26 * 27 else wd + str(i).encode() for i, wd in enumerate(words)]
-    seen: set[bytes] = set()
-    uniq = []
-    for i, wd in enumerate(words):
-        while wd in seen:
-            wd += str(i).encode()
-        seen.add(wd)
-        uniq.append(wd)
+    uniq: list[bytes] = []
+    for i in range(n_words):
+        word, j = "", i
+        while True:
+            word = letters[j % 26] + word
+            j = j // 26 - 1
+            if j < 0:
+                break
+        uniq.append(("\u2581" + word).encode())
     tokens = [b"<unk>", b"<s>", b"</s>"] + byte_tokens + uniq
     vocab = len(tokens)
     w.add_token_list(tokens)
@@ -110,28 +111,92 @@ def _u64(v: int) -> bytes:
     return struct.pack("<Q", v)
 
 
+def _str(b: bytes, length: int | None = None) -> bytes:
+    """A GGUF string; ``length`` overrides the declared length (to lie about it)."""
+    return _u64(len(b) if length is None else length) + b
+
+
+def _kv(key: bytes, vtype: int, value: bytes) -> bytes:
+    return _str(key) + _u32(vtype) + value
+
+
+def _tensor(name: bytes, dims: list[int], ggml_type: int = 0, offset: int = 0, n_dims: int | None = None) -> bytes:
+    return _str(name) + _u32(len(dims) if n_dims is None else n_dims) + b"".join(map(_u64, dims)) + _u32(
+        ggml_type) + _u64(offset)
+
+
+def _gguf(kvs: Sequence[bytes], tensors: Sequence[bytes] = (), *, n_kv: int | None = None, n_tensors: int | None = None,
+          version: int = 3, tail: bytes = b"\x00" * 64) -> bytes:
+    return (b"GGUF" + _u32(version) + _u64(len(tensors) if n_tensors is None else n_tensors)
+            + _u64(len(kvs) if n_kv is None else n_kv) + b"".join(kvs) + b"".join(tensors) + tail)
+
+
+def _patch_last_tensor_offset(tiny: bytes, new_offset: int) -> bytes:
+    """``tiny`` with the data offset of its last tensor info replaced (every tiny tensor is named ``*.weight``)."""
+    pos = tiny.rindex(b".weight") + len(b".weight")
+    n_dims = struct.unpack_from("<I", tiny, pos)[0]
+    at = pos + 4 + 8 * n_dims + 4
+    return tiny[:at] + _u64(new_offset) + tiny[at + 8:]
+
+
 def hostile_gguf_variants(tiny: bytes) -> dict[str, bytes]:
-    """Byte strings that must be refused as GGUF files with a clear error (never a crash or a huge allocation)."""
-    header = b"GGUF" + _u32(3)
+    """Byte strings that must be refused as GGUF files with a clear error (never a crash or a huge allocation).
 
-    def kv_string(key: bytes, length: int, body: bytes = b"") -> bytes:
-        return _u64(len(key)) + key + _u32(8) + _u64(length) + body
-
+    ``tiny`` is the bytes of a file from :func:`write_tiny_gguf`; some variants are cut or patched copies of it,
+    the rest are small hand-made headers that lie about their sizes.
+    """
+    arch = _kv(b"general.architecture", 8, _str(b"llama"))
+    first_tensor = tiny.index(b"token_embd.weight")
+    last_offset_end = tiny.rindex(b".weight")
     return {
-        "not-gguf": b"PK\x03\x04 this is a zip, not a model" + b"\x00" * 64,
+        # not a GGUF at all
         "empty": b"",
         "magic-only": b"GGUF",
-        "bad-version": b"GGUF" + _u32(99) + _u64(0) + _u64(0),
-        "truncated-header": tiny[:20],
-        "truncated-kv": tiny[:200],
+        "not-gguf": b"PK\x03\x04 this is a zip, not a model" + b"\x00" * 64,
+        "ggml-magic": b"lmgg" + b"\x00" * 64,
+        "bad-version": _gguf([arch], version=99),
+        "version-1": _gguf([arch], version=1),
+        "big-endian": b"GGUF" + struct.pack(">I", 3) + struct.pack(">Q", 0) + struct.pack(">Q", 1) + b"\x00" * 64,
+        # cut short at several points
+        "truncated-in-version": tiny[:6],
+        "truncated-in-counts": tiny[:20],
+        "truncated-in-kv": tiny[:1000],
+        "truncated-in-vocab": tiny[:2000],
+        "truncated-in-tensor-infos": tiny[: first_tensor + 5],
+        "truncated-after-tensor-infos": tiny[: last_offset_end + 20],
         "truncated-data": tiny[: len(tiny) - 64],
-        "huge-tensor-count": header + _u64(2**40) + _u64(0),
-        "huge-kv-count": header + _u64(0) + _u64(2**40),
-        "huge-string": header + _u64(0) + _u64(1) + kv_string(b"general.name", 2**62),
-        "huge-key": header + _u64(0) + _u64(1) + _u64(2**62),
-        "huge-array": header + _u64(0) + _u64(1) + _u64(4) + b"a.b1" + _u32(9) + _u32(4) + _u64(2**60),
-        "bad-value-type": header + _u64(0) + _u64(1) + _u64(4) + b"a.b1" + _u32(77) + b"\x00" * 16,
-        "tensor-past-eof": header + _u64(1) + _u64(0) + _u64(1) + b"t" + _u32(1) + _u64(1 << 40) + _u32(0) + _u64(0),
-        "tensor-bad-type": header + _u64(1) + _u64(0) + _u64(1) + b"t" + _u32(1) + _u64(4) + _u32(999) + _u64(0),
-        "tensor-many-dims": header + _u64(1) + _u64(0) + _u64(1) + b"t" + _u32(64) + _u64(1) * 64,
+        # absurd counts and lengths
+        "huge-tensor-count": _gguf([], n_tensors=2**40),
+        "huge-kv-count": _gguf([], n_kv=2**40),
+        "counts-beyond-file": _gguf([arch], n_kv=50_000, n_tensors=50_000),
+        "huge-key": _gguf([_u64(2**62)]),
+        "huge-string": _gguf([_str(b"general.name") + _u32(8) + _u64(2**62)]),
+        "string-longer-than-file": _gguf([_str(b"general.name") + _u32(8) + _u64(10_000) + b"abc"]),
+        "huge-array": _gguf([_kv(b"a.b", 9, _u32(4) + _u64(2**60))]),
+        "array-longer-than-file": _gguf([_kv(b"a.b", 9, _u32(10) + _u64(1_000_000))]),
+        "huge-string-array": _gguf([_kv(b"tokenizer.ggml.tokens", 9, _u32(8) + _u64(2**40))]),
+        "string-array-lies": _gguf([_kv(b"tokenizer.ggml.tokens", 9, _u32(8) + _u64(3) + _str(b"a")
+                                        + _str(b"b", 2**61))]),
+        # malformed values
+        "bad-value-type": _gguf([_kv(b"a.b", 77, b"\x00" * 16)]),
+        "bad-array-element-type": _gguf([_kv(b"a.b", 9, _u32(13) + _u64(2))]),
+        "arrays-nested-too-deep": _gguf([_kv(b"a.b", 9, _u32(9) + _u64(1) + _u32(9) + _u64(1) + _u32(9) + _u64(1)
+                                             + _u32(0) + _u64(1) + b"\x01")]),
+        "key-not-utf8": _gguf([_kv(b"general.\xff\xfe", 4, _u32(1))]),
+        "duplicate-key": _gguf([arch, arch]),
+        "bad-alignment": _gguf([_kv(b"general.alignment", 4, _u32(3))]),
+        "zero-alignment": _gguf([_kv(b"general.alignment", 4, _u32(0))]),
+        # malformed tensor infos
+        "tensor-past-eof": _gguf([arch], [_tensor(b"t", [1 << 40])]),
+        "tensor-offset-past-eof": _patch_last_tensor_offset(tiny, 1 << 40),
+        "tensor-offset-misaligned": _patch_last_tensor_offset(tiny, 1),
+        "tensor-bad-type": _gguf([arch], [_tensor(b"t", [4], ggml_type=999)]),
+        "tensor-removed-type": _gguf([arch], [_tensor(b"t", [32], ggml_type=4)]),
+        "tensor-many-dims": _gguf([arch], [_tensor(b"t", [1] * 64)], tail=b"\x00" * 600),
+        "tensor-zero-dims": _gguf([arch], [_tensor(b"t", [])]),
+        "tensor-absurd-shape": _gguf([arch], [_tensor(b"t", [2**62, 2**62])]),
+        "tensor-overflowing-shape": _gguf([arch], [_tensor(b"t", [0, 2**64 - 1])]),
+        "tensor-partial-block": _gguf([arch], [_tensor(b"t", [33], ggml_type=2)]),
+        "tensor-duplicate-name": _gguf([arch], [_tensor(b"t", [8]), _tensor(b"t", [8], offset=32)],
+                                       tail=b"\x00" * 128),
     }
