@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 
 from cli import output
-from cli.commands import create, listing, manage, serve, service, show, version
+from cli.commands import create, listing, manage, ps, run, serve, service, show, version
 from cli.errors import render_error
 from registry.errors import CorralError
 
@@ -48,6 +48,10 @@ app.command("serve", help=serve.help_text())(serve.serve)
 app.command("start", help=serve.help_text(), hidden=True)(serve.serve)
 app.command("create")(create.create)
 app.command("show")(show.show)
+app.command("run")(run.run)
+app.command("ps")(ps.ps)
+app.command("stop")(ps.stop)
+app.command("info")(ps.info)
 app.command("list")(listing.list_models)
 app.command("ls", hidden=True)(listing.list_models)
 app.command("cp")(manage.copy)
