@@ -107,8 +107,9 @@ def test_printer_thinking_and_tool_calls() -> None:
 def daemon_with_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     tmp = tmp_path_factory.mktemp("run")
     d = start_daemon(tmp / "models", tmp / "daemon.log", {"CORRAL_HISTORY": str(tmp / "history")})
-    tiny = write_tiny_gguf(tmp / "tiny.gguf")
-    (tmp / "Tinyfile").write_text(f"FROM {tiny}\nPARAMETER num_ctx 256\nPARAMETER num_predict 100000\n"
+    tiny = write_tiny_gguf(tmp / "tiny.gguf", context_length=8192)
+    (tmp / "Tinyfile").write_text(f"FROM {tiny}\nPARAMETER num_ctx 8192\nPARAMETER num_predict 100000\n"
+                                  "PARAMETER temperature 0\nPARAMETER repeat_penalty 1\n"
                                   'TEMPLATE "{{ .Prompt }}"\n')
     assert d.cli("create", "tiny", "-f", str(tmp / "Tinyfile")).returncode == 0
     if SMOL is not None:
@@ -173,7 +174,7 @@ def test_ps_stop_and_info(daemon_with_models: Daemon) -> None:
     lines = ok(d.cli("ps")).stdout.splitlines()  # type: ignore[attr-defined]
     assert lines[0].split() == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
     row = next(line for line in lines[1:] if line.startswith("tiny:latest"))
-    assert "100% CPU" in row and "256" in row and ("9 minutes from now" in row or "10 minutes from now" in row)
+    assert "100% CPU" in row and "8192" in row and ("9 minutes from now" in row or "10 minutes from now" in row)
     assert "tiny" not in ok(d.cli("ps", "smol")).stdout  # type: ignore[attr-defined]
     ok(d.cli("stop", "tiny"))
     assert not any(line.startswith("tiny") for line in ok(d.cli("ps")).stdout.splitlines())  # type: ignore[attr-defined]
@@ -315,11 +316,12 @@ class Terminal:
 def test_interactive_terminal_ctrl_c_and_ctrl_d(daemon_with_models: Daemon) -> None:
     term = Terminal(daemon_with_models, "tiny")
     term.until(b">>> ")
-    term.send(b"go on forever\r")  # the tiny model never stops by itself (num_predict 100000)
+    term.send(b"go on forever\r")  # greedy, the tiny model loops without an end of text
     term.until(b"go on forever\r\n")
     time.sleep(1.0)
     term.send(b"\x03")  # Ctrl-C stops this answer only
-    term.until(b">>> ", timeout=30)
+    after = term.until(b">>> ", timeout=30)
+    assert b"Use Ctrl + d" not in after  # it was the answer that stopped, not a prompt that was interrupted
     ps = httpx.get(daemon_with_models.url + "/api/ps").json()["models"]
     assert any(m["name"] == "tiny:latest" for m in ps)  # still loaded, the REPL goes on
     term.send(b"\x03")  # at an empty prompt: a reminder
