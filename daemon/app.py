@@ -103,6 +103,7 @@ def create_app(
     app.state.budgets_json = {"ram": the_budgets.ram, "vram": the_budgets.vram,
                               "max_loaded_models": settings.max_loaded_models}
     app.state.inference = Inference(catalog, scheduler, settings, vram_budget=the_budgets.vram,
+                                    ram_budget=the_budgets.ram,
                                     physical_cores=hw.physical_cores)
     errors.install(app)
     for module in (meta, models, blobs, create, generate, embed, ps):

@@ -87,11 +87,12 @@ class ModelContext:
 
 class Inference:
     def __init__(self, catalog: Catalog, scheduler: Scheduler, settings: Settings, *, vram_budget: int = 0,
-                 physical_cores: int = 0) -> None:
+                 physical_cores: int = 0, ram_budget: int = 0) -> None:
         self.catalog = catalog
         self.scheduler = scheduler
         self.settings = settings
         self.vram_budget = vram_budget
+        self.ram_budget = ram_budget
         self.physical_cores = physical_cores
 
     # -- the model ---------------------------------------------------------------------------------------------
@@ -170,9 +171,10 @@ class Inference:
         if self.has_projector(ctx):
             num_ctx = max(num_ctx, 2048)
         num_batch = min(int(opts["num_batch"]), num_ctx) if embedding else int(opts["num_batch"])
+        num_parallel = 1 if embedding else self.parallel_for(ctx, num_ctx, num_batch)
         num_gpu = int(opts["num_gpu"])
         if num_gpu < 0:
-            num_gpu = self.choose_gpu_layers(ctx, num_ctx, num_batch)
+            num_gpu = self.choose_gpu_layers(ctx, num_ctx, num_batch, num_parallel)
         num_thread = int(opts["num_thread"]) or self.physical_cores
         return LoadSpec(
             model_path=str(ctx.model_path),
@@ -182,17 +184,32 @@ class Inference:
             num_gpu=num_gpu,
             num_thread=num_thread,
             use_mmap=opts.get("use_mmap"),
-            num_parallel=max(1, self.settings.num_parallel or 1),
+            num_parallel=num_parallel,
             embedding=embedding,
         )
 
-    def choose_gpu_layers(self, ctx: ModelContext, num_ctx: int, num_batch: int) -> int:
+    def parallel_for(self, ctx: ModelContext, num_ctx: int, num_batch: int) -> int:
+        """``CORRAL_NUM_PARALLEL`` when set; else the most sequence slots (at most 4) whose KV cache, at this
+        num_ctx each, fits the memory budgets, counting what the GPU takes off the RAM."""
+        if self.settings.num_parallel > 0:
+            return self.settings.num_parallel
+        from daemon.memory import estimate
+
+        for parallel in (4, 3, 2):
+            layers = self.choose_gpu_layers(ctx, num_ctx, num_batch, parallel)
+            est = estimate(ctx.info, num_ctx=num_ctx, num_parallel=parallel, num_batch=num_batch,
+                           n_gpu_layers=layers)
+            if (self.ram_budget <= 0 or est.ram <= self.ram_budget) and est.vram <= max(self.vram_budget, 0):
+                return parallel
+        return 1
+
+    def choose_gpu_layers(self, ctx: ModelContext, num_ctx: int, num_batch: int, num_parallel: int = 1) -> int:
         if self.vram_budget <= 0:
             return 0
         from daemon.memory import choose_gpu_layers
 
-        return choose_gpu_layers(ctx.info, num_ctx=num_ctx, num_parallel=max(1, self.settings.num_parallel or 1),
-                                 num_batch=num_batch, vram_budget=self.vram_budget)
+        return choose_gpu_layers(ctx.info, num_ctx=num_ctx, num_parallel=num_parallel, num_batch=num_batch,
+                                 vram_budget=self.vram_budget)
 
     @staticmethod
     def sample_params(opts: dict[str, Any], fmt: Any = None) -> SampleParams:

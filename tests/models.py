@@ -33,8 +33,13 @@ def write_tiny_gguf(
     context_length: int = 512,
     byte_fallback: bool = True,
     general_type: str | None = None,
+    never_ends: bool = False,
 ) -> Path:
-    """A tiny llama-architecture GGUF with random weights that llama.cpp can load and sample from."""
+    """A tiny llama-architecture GGUF with random weights that llama.cpp can load and sample from.
+
+    ``never_ends``: greedy decoding never picks the end-of-text token (its output row is zero while every other
+    row has its negation in the vocabulary, so some token always scores above it): a generation that only a
+    limit or a cancel can stop."""
     import gguf
 
     path = Path(path)
@@ -85,7 +90,14 @@ def write_tiny_gguf(
 
     t("token_embd.weight", vocab, n_embd)
     w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
-    t("output.weight", vocab, n_embd)
+    if never_ends:
+        out_w = (rng.standard_normal((vocab, n_embd)) * 0.02).astype(np.float32)
+        out_w[2] = 0.0  # </s>
+        half = (vocab - 3) // 2
+        out_w[3 + half:3 + 2 * half] = -out_w[3:3 + half]
+        w.add_tensor("output.weight", out_w)
+    else:
+        t("output.weight", vocab, n_embd)
     for i in range(n_layer):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))
         t(f"blk.{i}.attn_q.weight", n_embd, n_embd)

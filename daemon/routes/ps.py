@@ -32,6 +32,7 @@ def ps(request: Request) -> dict[str, Any]:
             "expires_at": _rfc3339_wall(item["expires_at_wall"]),
             "size_vram": e.memory.vram,
             "context_length": e.spec.num_ctx,
+            "num_parallel": e.spec.num_parallel,  # corral: sequence slots batched together in this runner
         })
     return {"models": models}
 

@@ -1,4 +1,5 @@
-"""The runner child process: owns one llama.cpp model. The only module in corral that imports llama_cpp.
+"""The runner child process: owns one llama.cpp model. The only module in corral that imports llama_cpp (the
+batching engine it drives, ``engine.py``, is handed the module).
 
 Run as ``python -m daemon.runners.llama_cpp``. It speaks length-prefixed JSON frames (``protocol.py``) on its
 original stdout; everything else (llama.cpp's logs included) goes to stderr. A reader thread takes frames from
@@ -8,11 +9,9 @@ even by SIGKILL) ends the process at once.
 
 from __future__ import annotations
 
-import codecs
 import ctypes
 import os
 import queue
-import random
 import sys
 import threading
 import time
@@ -20,12 +19,6 @@ import traceback
 from typing import Any
 
 from daemon.runners.protocol import encode, read_frame
-
-PROMPT_TOO_LONG = (
-    "the prompt is longer than the context length currently available to the model; shorten the prompt, adjust "
-    "the context length in settings, or use a model with a longer context length"
-)
-
 
 class RequestError(Exception):
     def __init__(self, message: str, status: int = 400) -> None:
@@ -50,9 +43,11 @@ class Runner:
 
         self.lc = llama_cpp
         self.chan = chan
-        self.llm: Any = None
+        self.llm: Any = None  # a high-level Llama, for embedding runners only
+        self.model: Any = None
+        self.context: Any = None
+        self.engine: Any = None
         self.log_lines: list[str] = []
-        self.cancelled: set[int] = set()
         self.spec: dict[str, Any] = {}
         self._log_cb = llama_cpp.llama_log_callback(self._on_log)
         llama_cpp.llama_log_set(self._log_cb, ctypes.c_void_p(0))
@@ -69,127 +64,88 @@ class Runner:
 
         self.spec = spec
         threads = int(spec.get("num_thread") or 0) or psutil.cpu_count(logical=False) or os.cpu_count() or 1
-        n_ctx = int(spec["num_ctx"]) * max(1, int(spec.get("num_parallel") or 1))
-        kwargs: dict[str, Any] = dict(
-            model_path=spec["model_path"], n_ctx=n_ctx, n_batch=int(spec.get("num_batch") or 512),
-            n_gpu_layers=int(spec.get("num_gpu", 0)), n_threads=threads, n_threads_batch=threads,
-            embedding=bool(spec.get("embedding")), verbose=False, seed=0,
-        )
-        if spec.get("use_mmap") is not None:
-            kwargs["use_mmap"] = bool(spec["use_mmap"])
-        adapters = spec.get("adapters") or []
-        if adapters:
-            kwargs["lora_path"] = adapters[0]
+        n_parallel = max(1, int(spec.get("num_parallel") or 1))
+        n_ctx = int(spec["num_ctx"]) * n_parallel
+        n_batch = int(spec.get("num_batch") or 512)
         if not os.path.isfile(spec["model_path"]):
             raise RequestError(f"model file {spec['model_path']} does not exist", 500)
-        self.llm = self.lc.Llama(**kwargs)
-        self._eog_vocab = self.llm._model.vocab
+        adapters = spec.get("adapters") or []
+        if spec.get("embedding"):
+            kwargs: dict[str, Any] = dict(
+                model_path=spec["model_path"], n_ctx=n_ctx, n_batch=n_batch,
+                n_gpu_layers=int(spec.get("num_gpu", 0)), n_threads=threads, n_threads_batch=threads,
+                embedding=True, verbose=False, seed=0,
+            )
+            if spec.get("use_mmap") is not None:
+                kwargs["use_mmap"] = bool(spec["use_mmap"])
+            if adapters:
+                kwargs["lora_path"] = adapters[0]
+            self.llm = self.lc.Llama(**kwargs)
+            self.model = self.llm._model
+            return
+        from llama_cpp import _internals
+
+        from daemon.runners.engine import Engine
+
+        lc = self.lc
+        mparams = lc.llama_model_default_params()
+        mparams.n_gpu_layers = int(spec.get("num_gpu", 0))
+        if spec.get("use_mmap") is not None:
+            mparams.use_mmap = bool(spec["use_mmap"]) and not adapters
+        self.model = _internals.LlamaModel(path_model=spec["model_path"], params=mparams, verbose=False)
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = min(n_batch, 512)
+        cparams.n_seq_max = n_parallel
+        cparams.kv_unified = False  # a stream per slot: a sequence computes the same alone as in a batch
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        self.context = _internals.LlamaContext(model=self.model, params=cparams, verbose=False)
+        for path in adapters:
+            adapter = lc.llama_adapter_lora_init(self.model.model, path.encode("utf-8"))
+            if not adapter:
+                raise RequestError(f"llama.cpp could not load the adapter {path}", 500)
+            lc.llama_set_adapters_lora(self.context.ctx, (lc.llama_adapter_lora_p_ctypes * 1)(adapter), 1,
+                                       (ctypes.c_float * 1)(1.0))
+        self.engine = Engine(lc, self.context.ctx, self.model.vocab, n_parallel=n_parallel,
+                             n_ctx_slot=int(spec["num_ctx"]), n_batch=n_batch, emit=self.chan.send)
 
     def info(self) -> dict[str, Any]:
-        llm = self.llm
+        m = self.model
+        n_ctx = self.llm.n_ctx() if self.llm is not None else self.context.n_ctx()
         return {
-            "n_ctx": llm.n_ctx(), "n_ctx_train": llm._model.n_ctx_train(), "n_vocab": llm.n_vocab(),
-            "n_embd": llm.n_embd(), "n_gpu_layers": int(self.spec.get("num_gpu", 0)),
+            "n_ctx": n_ctx, "n_ctx_train": m.n_ctx_train(), "n_vocab": m.n_vocab(),
+            "n_embd": m.n_embd(), "n_gpu_layers": int(self.spec.get("num_gpu", 0)),
+            "num_parallel": max(1, int(self.spec.get("num_parallel") or 1)),
             "gpu_offload_supported": bool(self.lc.llama_supports_gpu_offload()), "log_lines": self.log_lines,
             "pid": os.getpid(),
         }
 
-    # -- helpers ---------------------------------------------------------------------------------------------------
-    def is_eog(self, token: int) -> bool:
-        return bool(self.lc.llama_vocab_is_eog(self._eog_vocab, token))
+    def cancel(self, rid: int) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.cancel(rid)
 
     def tokenize(self, text: str, add_special: bool) -> list[int]:
-        return list(self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=True))
+        return list(self.model.tokenize(text.encode("utf-8"), add_bos=add_special, special=True))
 
-    # -- generate --------------------------------------------------------------------------------------------------
+    # -- generate ------------------------------------------------------------------------------------------------
     def generate(self, rid: int, req: dict[str, Any]) -> None:
-        llm = self.llm
-        p = req.get("params") or {}
+        """Hand the request to the batching engine; its tokens and ``done`` are sent from the engine thread."""
+        from daemon.runners.engine import EngineError
+
+        if self.llm is not None:
+            raise RequestError("this runner was loaded for embeddings only", 500)
         tokens = list(req.get("context") or []) + self.tokenize(req["prompt"], bool(req.get("add_special", True)))
-        n_ctx = llm.n_ctx()
         if not tokens:
-            tokens = [llm.token_bos()]
-        if len(tokens) >= n_ctx:
-            if not (req.get("shift", True) and req.get("truncate", True)):
-                raise RequestError(PROMPT_TOO_LONG)
-            keep = min(max(0, int(p.get("num_keep", 4))), n_ctx // 2)
-            tail = n_ctx // 2 - keep
-            tokens = tokens[:keep] + tokens[len(tokens) - tail:]
-        grammar = None
+            tokens = [self.model.token_bos()]
         try:
-            if p.get("json_schema"):
-                grammar = self.lc.LlamaGrammar.from_json_schema(p["json_schema"], verbose=False)
-            elif p.get("grammar"):
-                grammar = self.lc.LlamaGrammar.from_string(p["grammar"], verbose=False)
-        except Exception as exc:  # noqa: BLE001
-            raise RequestError(f"invalid format: could not build a grammar: {exc}") from exc
-        seed = int(p.get("seed", -1))
-        llm.set_seed(seed if seed >= 0 else random.randint(0, 2**31 - 1))
-        num_predict = int(p.get("num_predict", -1))
-        limit = 10 * n_ctx if num_predict < 0 else num_predict
-        stops = [s for s in (p.get("stop") or []) if s]
-        temperature = float(p.get("temperature", 0.8))
-
-        cached = 0
-        for a, b in zip(llm._input_ids[: llm.n_tokens], tokens):
-            if a != b:
-                break
-            cached += 1
-        prompt_eval_count = max(1, len(tokens) - cached)
-
-        started = time.perf_counter_ns()
-        first_at = None
-        out_tokens: list[int] = []
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        pending = ""
-        done_reason = "stop"
-        if limit == 0:
-            done_reason = "length"
-        gen = llm.generate(
-            tokens, top_k=int(p.get("top_k", 40)), top_p=float(p.get("top_p", 0.9)), min_p=float(p.get("min_p", 0.0)),
-            typical_p=float(p.get("typical_p", 1.0)), temp=temperature, repeat_penalty=float(p.get("repeat_penalty", 1.1)),
-            frequency_penalty=float(p.get("frequency_penalty", 0.0)),
-            presence_penalty=float(p.get("presence_penalty", 0.0)), mirostat_mode=int(p.get("mirostat", 0)),
-            mirostat_tau=float(p.get("mirostat_tau", 5.0)), mirostat_eta=float(p.get("mirostat_eta", 0.1)),
-            grammar=grammar, reset=True,
-        ) if limit > 0 else iter(())
-        try:
-            for token in gen:
-                if first_at is None:
-                    first_at = time.perf_counter_ns()
-                if rid in self.cancelled:
-                    done_reason = "stop"
-                    break
-                if self.is_eog(token):
-                    break
-                out_tokens.append(token)
-                piece = llm.detokenize([token])
-                pending += decoder.decode(piece)
-                emit, hit = split_stop(pending, stops)
-                if emit:
-                    self.chan.send({"id": rid, "type": "token", "text": emit})
-                if hit:
-                    pending = ""
-                    break
-                pending = pending[len(emit):]
-                if len(out_tokens) >= limit:
-                    done_reason = "length"
-                    break
-                if llm.n_tokens >= n_ctx:
-                    done_reason = "length"
-                    break
-        finally:
-            gen.close() if hasattr(gen, "close") else None
-        pending += decoder.decode(b"", final=True)
-        if pending and rid not in self.cancelled:
-            self.chan.send({"id": rid, "type": "token", "text": pending})
-        ended = time.perf_counter_ns()
-        first_at = first_at or ended
-        self.chan.send({
-            "id": rid, "type": "done", "done_reason": done_reason, "prompt_eval_count": prompt_eval_count,
-            "prompt_eval_duration": max(1, first_at - started), "eval_count": len(out_tokens),
-            "eval_duration": max(1, ended - first_at), "context": tokens + out_tokens,
-        })
+            self.engine.submit(rid, tokens, req.get("params") or {}, shift=bool(req.get("shift", True)),
+                               truncate=bool(req.get("truncate", True)))
+        except EngineError as exc:
+            raise RequestError(str(exc), exc.status) from None
 
     # -- embeddings ------------------------------------------------------------------------------------------------
     def embed(self, inputs: list[str], truncate: bool) -> dict[str, Any]:
@@ -224,7 +180,7 @@ class Runner:
                 self.chan.send({"id": rid, "type": "result",
                                 "tokens": self.tokenize(msg["text"], bool(msg.get("add_special", True)))})
             elif op == "detokenize":
-                text = self.llm.detokenize(list(msg["tokens"])).decode("utf-8", errors="replace")
+                text = self.model.detokenize(list(msg["tokens"])).decode("utf-8", errors="replace")
                 self.chan.send({"id": rid, "type": "result", "text": text})
             else:
                 raise RequestError(f"unknown operation {op!r}", 500)
@@ -233,24 +189,6 @@ class Runner:
         except Exception as exc:  # noqa: BLE001 - report and keep serving
             traceback.print_exc()
             self.chan.send({"id": rid, "type": "error", "message": f"llama.cpp error: {exc}", "status": 500})
-        finally:
-            self.cancelled.discard(rid)
-
-
-def split_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-    """(text safe to emit, whether a stop string was hit). Holds back a suffix that may begin a stop string."""
-    if not stops:
-        return text, False
-    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    if first >= 0:
-        return text[:first], True
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                hold = max(hold, k)
-                break
-    return text[: len(text) - hold], False
 
 
 def _watch_parent(ppid: int) -> None:
@@ -280,7 +218,7 @@ def main() -> None:
                 os._exit(0)
             if msg.get("op") == "cancel":
                 if runner_ref:
-                    runner_ref[0].cancelled.add(int(msg.get("id", 0)))
+                    runner_ref[0].cancel(int(msg.get("id", 0)))
                 continue
             inbox.put(msg)
 

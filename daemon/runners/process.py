@@ -117,36 +117,36 @@ class ProcessRunner:
                        self._memory.ram, self._memory.vram)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Event]:  # type: ignore[override]
-        async with self._lock:
-            rid, q = self._open()
-            payload = dataclasses.asdict(req)
-            payload["params"]["stop"] = list(req.params.stop)
-            self._send({"op": "generate", "id": rid, "req": payload})
-            finished = False
-            try:
-                while True:
-                    msg = await q.get()
-                    if msg is _CRASH:
-                        raise self._crashed()
-                    kind = msg.get("type")
-                    if kind == "token":
-                        yield Token(msg["text"])
-                    elif kind == "done":
-                        finished = True
-                        yield Done(done_reason=msg["done_reason"], prompt_eval_count=msg["prompt_eval_count"],
-                                   prompt_eval_duration=msg["prompt_eval_duration"], eval_count=msg["eval_count"],
-                                   eval_duration=msg["eval_duration"], context=tuple(msg.get("context") or ()))
-                        return
-                    elif kind == "error":
-                        finished = True
-                        raise self._error(msg)
-            finally:
-                if not finished and self.alive():
-                    # the consumer left early: cancel and wait for the runner to finish this request
-                    self._send({"op": "cancel", "id": rid})
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._drain(q), 30)
-                self._queues.pop(rid, None)
+        # no lock: the runner batches concurrent generations (up to num_parallel at once, the rest wait there)
+        rid, q = self._open()
+        payload = dataclasses.asdict(req)
+        payload["params"]["stop"] = list(req.params.stop)
+        self._send({"op": "generate", "id": rid, "req": payload})
+        finished = False
+        try:
+            while True:
+                msg = await q.get()
+                if msg is _CRASH:
+                    raise self._crashed()
+                kind = msg.get("type")
+                if kind == "token":
+                    yield Token(msg["text"])
+                elif kind == "done":
+                    finished = True
+                    yield Done(done_reason=msg["done_reason"], prompt_eval_count=msg["prompt_eval_count"],
+                               prompt_eval_duration=msg["prompt_eval_duration"], eval_count=msg["eval_count"],
+                               eval_duration=msg["eval_duration"], context=tuple(msg.get("context") or ()))
+                    return
+                elif kind == "error":
+                    finished = True
+                    raise self._error(msg)
+        finally:
+            if not finished and self.alive():
+                # the consumer left early: cancel and wait for the runner to finish this request
+                self._send({"op": "cancel", "id": rid})
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._drain(q), 30)
+            self._queues.pop(rid, None)
 
     async def embed(self, inputs: list[str], *, truncate: bool = True) -> Embedding:
         msg = await self._call({"op": "embed", "inputs": inputs, "truncate": truncate})

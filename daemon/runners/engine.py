@@ -1,0 +1,419 @@
+"""Continuous batching inside a runner: several sequences share one llama.cpp context and one ``llama_decode``
+per step.
+
+Each of ``n_parallel`` slots is a llama.cpp sequence id with its own KV stream (so a sequence computes exactly
+what it computes alone) and remembers the tokens it holds.
+A new request takes the idle slot whose tokens share the longest prefix with its prompt (a prefix held by a
+busy slot is copied over with ``llama_memory_seq_cp``) and evaluates only the rest. Every step puts one token
+for each decoding sequence in the batch and fills what is left of ``n_batch`` with chunks of waiting prompts,
+so newcomers join at the next step while the others keep decoding; finished or cancelled sequences leave at
+once. Sampling is vectorised over all rows (``sampling.py``); grammars (JSON, JSON schema) are applied per
+sequence with llama.cpp's grammar sampler. A sequence that fills its ``num_ctx`` shifts its context like
+Ollama (keep ``num_keep``, drop half of the rest) unless ``shift`` is false.
+
+The engine runs on its own thread inside the runner child; ``submit`` and ``cancel`` are thread-safe. It is
+given the ``llama_cpp`` module and the model and context pointers, so this module imports nothing from
+llama_cpp itself.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from daemon.runners.sampling import SeqSampler, logprobs, sample_rows
+
+PROMPT_TOO_LONG = (
+    "the prompt is longer than the context length currently available to the model; shorten the prompt, adjust "
+    "the context length in settings, or use a model with a longer context length"
+)
+
+TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
+
+Emit = Callable[[dict[str, Any]], None]
+
+
+class EngineError(Exception):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def split_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """(text safe to emit, whether a stop string was hit). Holds back a suffix that may begin a stop string."""
+    if not stops:
+        return text, False
+    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    if first >= 0:
+        return text[:first], True
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return text[: len(text) - hold], False
+
+
+@dataclass
+class Slot:
+    seq_id: int
+    tokens: list[int] = field(default_factory=list)  # what this sequence id holds in the KV cache, in order
+    seq: Seq | None = None
+    last_used: float = 0.0
+
+
+@dataclass
+class Seq:
+    rid: int
+    prompt: list[int]
+    sampler: SeqSampler
+    limit: int
+    stops: list[str]
+    num_keep: int
+    shift: bool
+    top_logprobs: int | None
+    grammar: Any = None  # llama_sampler pointer, or None
+    slot: Slot | None = None
+    pending: list[int] = field(default_factory=list)  # prompt tokens not yet evaluated
+    next_token: int | None = None  # sampled, not yet in the KV cache
+    generated: list[int] = field(default_factory=list)
+    text: str = ""  # decoded, not yet emitted (may begin a stop string)
+    decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
+    prompt_eval_count: int = 0
+    started: int = 0
+    first_at: int = 0
+    cancelled: bool = False
+
+
+class Engine:
+    def __init__(self, lc: Any, ctx: Any, vocab: Any, *, n_parallel: int, n_ctx_slot: int, n_batch: int,
+                 emit: Emit, chunk: int | None = None) -> None:
+        self.lc, self.ctx, self.vocab = lc, ctx, vocab
+        self.mem = lc.llama_get_memory(ctx)
+        self.n_vocab = int(lc.llama_vocab_n_tokens(vocab))
+        self.n_parallel, self.n_ctx_slot, self.n_batch = n_parallel, n_ctx_slot, n_batch
+        self.chunk = chunk or n_batch
+        self.emit = emit
+        self.slots = [Slot(i) for i in range(n_parallel)]
+        self.waiting: deque[Seq] = deque()
+        self.by_rid: dict[int, Seq] = {}
+        self._cv = threading.Condition()
+        self._batch = lc.llama_batch_init(n_batch, 0, 1)
+        self._piece = ctypes.create_string_buffer(256)
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    # -- API (any thread) --------------------------------------------------------------------------------------
+    def submit(self, rid: int, prompt: list[int], params: dict[str, Any], *, shift: bool = True,
+               truncate: bool = True) -> None:
+        """Queue a generation; its tokens and its final ``done`` go to ``emit``. Bad input raises EngineError."""
+        if not prompt:
+            raise EngineError("empty prompt")
+        num_keep = min(max(0, int(params.get("num_keep", 4))), self.n_ctx_slot // 2)
+        if len(prompt) >= self.n_ctx_slot:
+            if not (shift and truncate):
+                raise EngineError(PROMPT_TOO_LONG)
+            tail = self.n_ctx_slot // 2 - num_keep
+            prompt = prompt[:num_keep] + prompt[len(prompt) - tail:]
+        num_predict = int(params.get("num_predict", -1))
+        seq = Seq(rid=rid, prompt=prompt, sampler=SeqSampler.from_params(params, self.n_ctx_slot),
+                  limit=10 * self.n_ctx_slot if num_predict < 0 else num_predict,
+                  stops=[s for s in (params.get("stop") or []) if s], num_keep=num_keep, shift=shift,
+                  top_logprobs=None if params.get("logprobs") is None else int(params["logprobs"]),
+                  started=time.perf_counter_ns())
+        seq.grammar = self._grammar(params)
+        with self._cv:
+            self.by_rid[rid] = seq
+            self.waiting.append(seq)
+            self._cv.notify()
+
+    def cancel(self, rid: int) -> None:
+        with self._cv:
+            seq = self.by_rid.get(rid)
+            if seq is not None:
+                seq.cancelled = True
+                self._cv.notify()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout=10)
+
+    def slots_info(self) -> list[dict[str, Any]]:
+        return [{"id": s.seq_id, "busy": s.seq is not None, "cached_tokens": len(s.tokens)} for s in self.slots]
+
+    # -- grammar -------------------------------------------------------------------------------------------------
+    def _grammar(self, params: dict[str, Any]) -> Any:
+        text = params.get("grammar")
+        if params.get("json_schema"):
+            from llama_cpp.llama_grammar import json_schema_to_gbnf  # the runner child only
+
+            try:
+                text = json_schema_to_gbnf(params["json_schema"])
+            except Exception as exc:  # noqa: BLE001
+                raise EngineError(f"invalid format: could not build a grammar from the schema: {exc}") from None
+        if not text:
+            return None
+        smpl = self.lc.llama_sampler_init_grammar(self.vocab, text.encode("utf-8"), b"root")
+        if not smpl:
+            raise EngineError("invalid format: llama.cpp could not parse the grammar")
+        return smpl
+
+    def _allows(self, grammar: Any, token: int) -> bool:
+        one = np.zeros(1, dtype=TOKEN_DATA)
+        one["id"], one["logit"] = token, 0.0
+        arr = self.lc.llama_token_data_array(
+            data=one.ctypes.data_as(ctypes.POINTER(self.lc.llama_token_data)), size=1, selected=-1, sorted=False)
+        self.lc.llama_sampler_apply(grammar, ctypes.byref(arr))
+        return bool(np.isfinite(one["logit"][0]))
+
+    def _constrain(self, row: np.ndarray, grammar: Any) -> None:
+        data = np.empty(row.shape[0], dtype=TOKEN_DATA)
+        data["id"] = np.arange(row.shape[0], dtype=np.int32)
+        data["logit"] = row
+        data["p"] = 0.0
+        arr = self.lc.llama_token_data_array(
+            data=data.ctypes.data_as(ctypes.POINTER(self.lc.llama_token_data)), size=row.shape[0], selected=-1,
+            sorted=False)
+        self.lc.llama_sampler_apply(grammar, ctypes.byref(arr))
+        row[:] = data["logit"]
+
+    # -- the loop (engine thread) ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and not self.waiting and not any(s.seq for s in self.slots):
+                    self._cv.wait()
+                if self._closed:
+                    break
+                self._admit()
+            self._reap_cancelled()
+            try:
+                self._step()
+            except EngineError as exc:
+                for slot in self.slots:
+                    if slot.seq is not None:
+                        self._fail(slot.seq, str(exc), exc.status)
+            except Exception as exc:  # noqa: BLE001 - report to every active request and keep serving
+                for slot in self.slots:
+                    if slot.seq is not None:
+                        self._fail(slot.seq, f"llama.cpp error: {exc}", 500)
+        self.lc.llama_batch_free(self._batch)
+
+    def _admit(self) -> None:
+        """Give waiting requests free slots, reusing the longest cached prefix (caller holds the lock)."""
+        while self.waiting:
+            free = [s for s in self.slots if s.seq is None]
+            if not free:
+                return
+            seq = self.waiting.popleft()
+            if seq.cancelled:
+                self._finish(seq, "stop")
+                continue
+            best = max(free, key=lambda s: (common_prefix(s.tokens, seq.prompt), -s.last_used))
+            reuse = common_prefix(best.tokens, seq.prompt)
+            donor = max(self.slots, key=lambda s: common_prefix(s.tokens, seq.prompt))
+            donor_len = common_prefix(donor.tokens, seq.prompt)
+            reuse = min(reuse, len(seq.prompt) - 1)
+            donor_len = min(donor_len, len(seq.prompt) - 1)
+            if donor is not best and donor_len > reuse:
+                # a slot is its own KV stream, and llama.cpp copies between streams only whole: copy, then trim
+                self.lc.llama_memory_seq_rm(self.mem, best.seq_id, -1, -1)
+                self.lc.llama_memory_seq_cp(self.mem, donor.seq_id, best.seq_id, -1, -1)
+                self.lc.llama_memory_seq_rm(self.mem, best.seq_id, donor_len, -1)
+                best.tokens = list(seq.prompt[:donor_len])
+                reuse = donor_len
+            else:
+                self.lc.llama_memory_seq_rm(self.mem, best.seq_id, reuse, -1)
+                best.tokens = best.tokens[:reuse]
+            seq.slot, best.seq = best, seq
+            seq.pending = list(seq.prompt[reuse:])
+            seq.prompt_eval_count = max(1, len(seq.pending))
+
+    def _reap_cancelled(self) -> None:
+        for slot in self.slots:
+            if slot.seq is not None and slot.seq.cancelled:
+                self._finish(slot.seq, "stop")
+
+    def _step(self) -> None:
+        lc, batch = self.lc, self._batch
+        n = 0
+        outputs: list[Seq] = []  # the sequences that get a logits row, in batch order
+
+        def add(token: int, pos: int, seq_id: int, want_logits: bool) -> None:
+            nonlocal n
+            batch.token[n] = token
+            batch.pos[n] = pos
+            batch.n_seq_id[n] = 1
+            batch.seq_id[n][0] = seq_id
+            batch.logits[n] = want_logits
+            n += 1
+
+        decoding = [s.seq for s in self.slots if s.seq is not None and s.seq.next_token is not None]
+        for seq in decoding:
+            slot = seq.slot
+            assert slot is not None and seq.next_token is not None
+            if len(slot.tokens) + 1 > self.n_ctx_slot and not self._shift(seq):
+                self._finish(seq, "length")
+                continue
+            add(seq.next_token, len(slot.tokens), slot.seq_id, True)
+            slot.tokens.append(seq.next_token)
+            seq.next_token = None
+            outputs.append(seq)
+        prefilling = sorted((s.seq for s in self.slots if s.seq is not None and s.seq.pending),
+                            key=lambda q: q.started)
+        budget = min(self.n_batch - n, self.chunk)
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            slot = seq.slot
+            assert slot is not None
+            take = seq.pending[:budget]
+            del seq.pending[:len(take)]
+            for j, tok in enumerate(take):
+                last = not seq.pending and j == len(take) - 1
+                add(tok, len(slot.tokens), slot.seq_id, last)
+                slot.tokens.append(tok)
+            budget -= len(take)
+            if not seq.pending:
+                outputs.append(seq)
+        if n == 0:
+            return
+        batch.n_tokens = n
+        rc = lc.llama_decode(self.ctx, batch)
+        if rc != 0:
+            raise EngineError(f"llama_decode failed ({rc}): the context is full or the batch is too large", 500)
+        now = time.perf_counter_ns()
+        logits = np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), shape=(len(outputs), self.n_vocab)).copy()
+        lp_rows = {i: logits[i].copy() for i, q in enumerate(outputs) if q.top_logprobs is not None}
+        constrained = [i for i, q in enumerate(outputs) if q.grammar is not None]
+        unconstrained = {i: logits[i].copy() for i in constrained}
+        windows = [seq.slot.tokens if seq.slot else [] for seq in outputs]
+        tokens = sample_rows(logits, [q.sampler for q in outputs], windows)
+        for i in constrained:
+            # as llama.cpp's common sampler: check the free choice against the grammar (cheap), and only when the
+            # grammar rejects it apply the grammar to the whole vocabulary (expensive) and draw again
+            if not self._allows(outputs[i].grammar, tokens[i]):
+                row = unconstrained[i]
+                self._constrain(row, outputs[i].grammar)
+                tokens[i] = sample_rows(row[None, :], [outputs[i].sampler], [windows[i]])[0]
+        for i, (seq, tok) in enumerate(zip(outputs, tokens)):
+            if seq.first_at == 0:
+                seq.first_at = now
+            self._accept(seq, tok, lp_rows.get(i))
+
+    def _shift(self, seq: Seq) -> bool:
+        """Make room for one more token: drop half of what follows ``num_keep`` (Ollama's context shift)."""
+        slot = seq.slot
+        assert slot is not None
+        if not seq.shift or not self.lc.llama_memory_can_shift(self.mem):
+            return False
+        n_past = len(slot.tokens)
+        discard = (n_past - seq.num_keep) // 2
+        if discard <= 0:
+            return False
+        keep = seq.num_keep
+        self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, keep, keep + discard)
+        self.lc.llama_memory_seq_add(self.mem, slot.seq_id, keep + discard, -1, -discard)
+        slot.tokens = slot.tokens[:keep] + slot.tokens[keep + discard:]
+        return True
+
+    def _accept(self, seq: Seq, token: int, raw: np.ndarray | None) -> None:
+        if seq.cancelled:
+            self._finish(seq, "stop")
+            return
+        if self.lc.llama_vocab_is_eog(self.vocab, token):
+            self._finish(seq, "stop")
+            return
+        if seq.grammar is not None:
+            self.lc.llama_sampler_accept(seq.grammar, token)
+        seq.generated.append(token)
+        seq.text += seq.decoder.decode(self._token_bytes(token))
+        emit, hit = split_stop(seq.text, seq.stops)
+        if emit:
+            msg: dict[str, Any] = {"id": seq.rid, "type": "token", "text": emit}
+            if raw is not None:
+                msg["logprobs"] = self._logprobs(raw, token, seq.top_logprobs or 0)
+            self.emit(msg)
+        elif raw is not None:  # held back (may start a stop string): the logprob still belongs to the stream
+            self.emit({"id": seq.rid, "type": "token", "text": "",
+                       "logprobs": self._logprobs(raw, token, seq.top_logprobs or 0)})
+        if hit:
+            seq.text = ""
+            self._finish(seq, "stop")
+            return
+        seq.text = seq.text[len(emit):]
+        if len(seq.generated) >= seq.limit:
+            self._finish(seq, "length")
+            return
+        seq.next_token = token
+
+    def _logprobs(self, raw: np.ndarray, token: int, top: int) -> dict[str, Any]:
+        lp = logprobs(raw, token, top)
+        lp["text"] = self._token_bytes(token).decode("utf-8", errors="replace")
+        lp["top"] = [[self._token_bytes(t).decode("utf-8", errors="replace"), t, v] for t, v in lp["top"]]
+        return lp
+
+    def _token_bytes(self, token: int) -> bytes:
+        n = self.lc.llama_token_to_piece(self.vocab, token, self._piece, len(self._piece), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            return buf.raw[:n]
+        return self._piece.raw[:n]
+
+    def _finish(self, seq: Seq, reason: str) -> None:
+        if seq.text and not seq.cancelled:
+            seq.text += seq.decoder.decode(b"", final=True)
+            self.emit({"id": seq.rid, "type": "token", "text": seq.text})
+        seq.text = ""
+        ended = time.perf_counter_ns()
+        first = seq.first_at or ended
+        self.emit({
+            "id": seq.rid, "type": "done", "done_reason": reason, "prompt_eval_count": seq.prompt_eval_count,
+            "prompt_eval_duration": max(1, first - seq.started), "eval_count": len(seq.generated),
+            "eval_duration": max(1, ended - first), "context": list(seq.prompt) + list(seq.generated),
+        })
+        self._release(seq)
+
+    def _fail(self, seq: Seq, message: str, status: int) -> None:
+        self.emit({"id": seq.rid, "type": "error", "message": message, "status": status})
+        if seq.slot is not None:  # what the KV holds for it is no longer trusted
+            self.lc.llama_memory_seq_rm(self.mem, seq.slot.seq_id, -1, -1)
+            seq.slot.tokens = []
+        self._release(seq)
+
+    def _release(self, seq: Seq) -> None:
+        if seq.grammar is not None:
+            self.lc.llama_sampler_free(seq.grammar)
+            seq.grammar = None
+        with self._cv:
+            self.by_rid.pop(seq.rid, None)
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+        slot = seq.slot
+        if slot is not None and slot.seq is seq:
+            if seq.next_token is not None:
+                seq.next_token = None  # sampled but never decoded: the cache ends before it
+            slot.seq = None
+            slot.last_used = time.monotonic()
+        seq.slot = None
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

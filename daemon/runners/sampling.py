@@ -1,0 +1,210 @@
+"""Sampling for many sequences at once, vectorised over the logits with numpy.
+
+The batched runner (``engine.py``) hands this module one logits row per sequence that needs a token. Rows at
+temperature 0 take the argmax; the others share one ``argpartition`` for top-k, one sort of the survivors, and
+row-wise softmax, top-p and min-p masks. Mirostat and typical-p, rare options, run per row. Each sequence has
+its own random generator, so a seeded request samples the same tokens whatever else is in the batch.
+
+Semantics are Ollama's options (``api/types.go``), in the order of Ollama's own sampler: repeat, presence and
+frequency penalties over the last ``repeat_last_n`` tokens of the context, then top-k, temperature, softmax,
+top-p, min-p, typical-p, and a draw. ``top_k`` <= 0 means the whole vocabulary. Mirostat 1 and 2 replace the
+truncation steps when set. Nothing here imports llama_cpp.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+NEG_INF = np.float32(-np.inf)
+
+
+@dataclass
+class SeqSampler:
+    """One sequence's sampling settings and state (random generator, mirostat's mu, penalty window)."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.9
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repeat_penalty: float = 1.1
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    seed: int = -1
+    rng: np.random.Generator = field(default_factory=np.random.default_rng)
+    mu: float = 0.0
+
+    @classmethod
+    def from_params(cls, p: dict[str, Any], num_ctx: int) -> SeqSampler:
+        seed = int(p.get("seed", -1))
+        last_n = int(p.get("repeat_last_n", 64))
+        s = cls(
+            temperature=float(p.get("temperature", 0.8)), top_k=int(p.get("top_k", 40)),
+            top_p=float(p.get("top_p", 0.9)), min_p=float(p.get("min_p", 0.0)),
+            typical_p=float(p.get("typical_p", 1.0)), repeat_penalty=float(p.get("repeat_penalty", 1.1)),
+            repeat_last_n=num_ctx if last_n < 0 else last_n,
+            presence_penalty=float(p.get("presence_penalty", 0.0)),
+            frequency_penalty=float(p.get("frequency_penalty", 0.0)), mirostat=int(p.get("mirostat", 0)),
+            mirostat_tau=float(p.get("mirostat_tau", 5.0)), mirostat_eta=float(p.get("mirostat_eta", 0.1)),
+            seed=seed, rng=np.random.default_rng(seed if seed >= 0 else None),
+        )
+        s.mu = 2.0 * s.mirostat_tau
+        return s
+
+    @property
+    def penalised(self) -> bool:
+        return self.repeat_last_n > 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
+                                           or self.frequency_penalty != 0.0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def apply_penalties(row: np.ndarray, window: Sequence[int], s: SeqSampler) -> None:
+    """llama.cpp's penalties, in place: a repeated token's logit is divided by ``repeat_penalty`` when
+    positive and multiplied when negative, then lowered by ``count * frequency + presence``."""
+    if not window:
+        return
+    ids, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
+    ids, counts = ids[(ids >= 0) & (ids < row.shape[0])], counts[(ids >= 0) & (ids < row.shape[0])]
+    values = row[ids]
+    if s.repeat_penalty != 1.0:
+        values = np.where(values > 0, values / s.repeat_penalty, values * s.repeat_penalty)
+    values = values - counts * s.frequency_penalty - (counts > 0) * s.presence_penalty
+    row[ids] = values.astype(row.dtype, copy=False)
+
+
+def _softmax_rows(x: np.ndarray) -> np.ndarray:
+    m = np.max(x, axis=1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(x - m)
+    total = e.sum(axis=1, keepdims=True)
+    return e / np.where(total > 0, total, 1.0)
+
+
+def sample_rows(logits: np.ndarray, samplers: Sequence[SeqSampler], windows: Sequence[Sequence[int]]) -> list[int]:
+    """One token per row of ``logits`` (shape ``(rows, vocab)``, modified in place)."""
+    n_rows, vocab = logits.shape
+    out = [0] * n_rows
+    for i, s in enumerate(samplers):
+        if s.penalised:
+            apply_penalties(logits[i], windows[i][-s.repeat_last_n:], s)
+    greedy = [i for i, s in enumerate(samplers) if s.greedy]
+    if greedy:
+        for i, tok in zip(greedy, np.argmax(logits[greedy], axis=1).tolist()):
+            out[i] = int(tok)
+    miro = [i for i, s in enumerate(samplers) if not s.greedy and s.mirostat in (1, 2)]
+    for i in miro:
+        out[i] = _mirostat(logits[i], samplers[i])
+    rest = [i for i, s in enumerate(samplers) if not s.greedy and s.mirostat not in (1, 2)]
+    if rest:
+        for i, tok in zip(rest, _sample_truncated(logits[rest], [samplers[i] for i in rest])):
+            out[i] = tok
+    return out
+
+
+def _sample_truncated(logits: np.ndarray, samplers: Sequence[SeqSampler]) -> list[int]:
+    n_rows, vocab = logits.shape
+    ks = np.array([s.top_k if 0 < s.top_k < vocab else vocab for s in samplers])
+    kmax = int(ks.max())
+    if kmax < vocab:
+        idx = np.argpartition(-logits, kmax - 1, axis=1)[:, :kmax]
+        vals = np.take_along_axis(logits, idx, axis=1)
+    else:
+        idx = np.broadcast_to(np.arange(vocab), (n_rows, vocab))
+        vals = logits
+    order = np.argsort(-vals, axis=1, kind="stable")
+    idx = np.take_along_axis(idx, order, axis=1)
+    vals = np.take_along_axis(vals, order, axis=1).astype(np.float64)
+    vals[np.arange(kmax)[None, :] >= ks[:, None]] = -np.inf  # each row's own k
+    temps = np.array([s.temperature for s in samplers], dtype=np.float64)
+    probs = _softmax_rows(vals / temps[:, None])
+    top_p = np.array([s.top_p for s in samplers], dtype=np.float64)
+    cum = np.cumsum(probs, axis=1)
+    keep = (cum - probs) < np.where(top_p >= 1.0, np.inf, top_p)[:, None]  # the first token is always kept
+    min_p = np.array([s.min_p for s in samplers], dtype=np.float64)
+    keep &= probs >= (min_p[:, None] * probs[:, :1])
+    keep[:, 0] = True
+    probs = np.where(keep, probs, 0.0)
+    for r, s in enumerate(samplers):
+        if 0.0 < s.typical_p < 1.0:
+            probs[r] = _typical(probs[r], s.typical_p)
+    totals = probs.sum(axis=1)
+    draws = np.array([s.rng.random() for s in samplers]) * totals
+    chosen = (np.cumsum(probs, axis=1) > draws[:, None]).argmax(axis=1)
+    return [int(idx[r, c]) for r, c in enumerate(chosen.tolist())]
+
+
+def _typical(p: np.ndarray, typical_p: float) -> np.ndarray:
+    """Locally typical sampling over an already-normalised, sorted row: keep the tokens whose surprise is
+    closest to the entropy until their mass reaches ``typical_p``."""
+    total = p.sum()
+    if total <= 0:
+        return p
+    q = p / total
+    nz = q > 0
+    logq = np.where(nz, np.log(np.where(nz, q, 1.0)), 0.0)
+    entropy = -(q * logq).sum()
+    shifted = np.where(nz, np.abs(-logq - entropy), np.inf)
+    order = np.argsort(shifted, kind="stable")
+    cum = np.cumsum(q[order])
+    cut = int(np.searchsorted(cum, typical_p) + 1)
+    mask = np.zeros_like(q, dtype=bool)
+    mask[order[:max(cut, 1)]] = True
+    return np.where(mask, p, 0.0)
+
+
+def _mirostat(row: np.ndarray, s: SeqSampler) -> int:
+    """Mirostat 1 and 2: truncate by surprise against the running target ``mu``, draw, then move ``mu``."""
+    x = row.astype(np.float64) / max(s.temperature, 1e-6)
+    order = np.argsort(-x, kind="stable")
+    probs = _softmax_rows(x[order][None, :])[0]
+    if s.mirostat == 1:
+        m = min(100, len(probs) - 1)
+        t = np.log((np.arange(m) + 2) / (np.arange(m) + 1))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            b = np.log(probs[:m] / probs[1:m + 1])
+        b = np.where(np.isfinite(b), b, 0.0)
+        s_hat = float((t * b).sum() / (t * t).sum()) if m > 0 else 1.0
+        eps = s_hat - 1.0
+        n = len(probs)
+        try:
+            k = int(((eps * 2 ** s.mu) / (1 - n ** -eps)) ** (1 / s_hat)) if eps != 0 else n
+        except (OverflowError, ZeroDivisionError, ValueError):
+            k = n
+        k = max(1, min(k, n))
+        kept = probs[:k]
+    else:
+        surprise = -np.log2(np.maximum(probs, 1e-300))
+        k = max(1, int((surprise <= s.mu).sum()))
+        kept = probs[:k]
+    kept = kept / kept.sum()
+    c = int((np.cumsum(kept) > s.rng.random()).argmax())
+    observed = -math.log2(max(float(kept[c]), 1e-300))
+    s.mu -= s.mirostat_eta * (observed - s.mirostat_tau)
+    return int(order[c])
+
+
+def logprobs(row: np.ndarray, token: int, top: int) -> dict[str, Any]:
+    """The chosen token's log-probability under the model (raw logits) and the ``top`` most likely
+    alternatives, as ``{"token": id, "logprob": x, "top": [[id, logprob], ...]}``."""
+    x = row.astype(np.float64)
+    m = float(np.max(x))
+    lse = m + math.log(float(np.exp(x - m).sum()))
+    out: dict[str, Any] = {"token": int(token), "logprob": float(x[token] - lse), "top": []}
+    if top > 0:
+        k = min(top, x.shape[0])
+        idx = np.argpartition(-x, k - 1)[:k]
+        idx = idx[np.argsort(-x[idx], kind="stable")]
+        out["top"] = [[int(i), float(x[i] - lse)] for i in idx]
+    return out
