@@ -1,0 +1,126 @@
+"""The batching runner through a real daemon: concurrent sequences give exactly what they give alone, prompts
+reuse cached prefixes, a client that leaves frees its slot, and a full context shifts instead of stopping."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import ollama
+import pytest
+
+from tests.conftest import Daemon, start_daemon, stop_daemon
+from tests.models import smollm2_path, write_tiny_gguf
+
+SMOL = smollm2_path()
+
+
+def create(d: Daemon, name: str, gguf: Path, **kw: object) -> None:
+    client = ollama.Client(host=d.url)
+    digest = client.create_blob(gguf)
+    client.create(model=name, files={gguf.name: digest}, stream=False, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def batched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    tmp = tmp_path_factory.mktemp("batch")
+    d = start_daemon(tmp / "models", tmp / "daemon.log", {"CORRAL_NUM_PARALLEL": "4"})
+    tiny = write_tiny_gguf(tmp / "endless.gguf", context_length=4096, never_ends=True)
+    create(d, "endless", tiny, template="{{ .Prompt }}",
+           parameters={"temperature": 0, "repeat_penalty": 1.0, "num_ctx": 64})
+    if SMOL is not None:
+        create(d, "smol", SMOL, parameters={"num_ctx": 2048})
+    try:
+        yield d
+    finally:
+        stop_daemon(d)
+
+
+def gen(d: Daemon, model: str, prompt: str, **options: object) -> dict[str, object]:
+    body: dict[str, object] = {"model": model, "prompt": prompt, "stream": False,
+                               "options": {"temperature": 0, "seed": 1, **options}}
+    fmt = options.pop("format", None)
+    if fmt is not None:
+        body["format"] = fmt
+        body["options"] = {"temperature": 0, "seed": 1, **options}
+    r = httpx.post(d.url + "/api/generate", json=body, timeout=300)
+    r.raise_for_status()
+    return r.json()  # type: ignore[no-any-return]
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(SMOL is None, reason="SmolLM2 is not cached")
+def test_eight_concurrent_greedy_requests_match_alone(batched: Daemon) -> None:
+    cases: list[tuple[str, dict[str, object]]] = [
+        ("Write a short poem about the sea.", {"num_predict": 40}),
+        ("List three fruits.", {"num_predict": 30, "stop": ["3."]}),
+        ("Why is the sky blue?", {"num_predict": 48}),
+        ("Say hello in French.", {"num_predict": 12}),
+        ("Describe a cat in JSON.", {"num_predict": 60, "format": "json"}),
+        ("What is 12 times 12?", {"num_predict": 24, "repeat_penalty": 1.3}),
+        ("Name a famous painter.", {"num_predict": 20, "top_k": 1}),
+        ("Tell me a fun fact about space.", {"num_predict": 50, "stop": ["."]}),
+    ]
+    alone = [gen(batched, "smol", p, **dict(o)) for p, o in cases]
+    with cf.ThreadPoolExecutor(8) as ex:
+        together = list(ex.map(lambda c: gen(batched, "smol", c[0], **dict(c[1])), cases))
+    for (prompt, _), a, t in zip(cases, alone, together):
+        assert t["response"] == a["response"], prompt
+        assert t["eval_count"] == a["eval_count"] and t["done_reason"] == a["done_reason"]
+    assert "3." not in str(together[1]["response"])
+    if together[4]["done_reason"] == "stop":
+        assert isinstance(json.loads(str(together[4]["response"])), dict)
+    else:
+        assert str(together[4]["response"]).lstrip().startswith("{")
+    assert together[3]["eval_count"] <= 12
+    ps = httpx.get(batched.url + "/api/ps").json()["models"]
+    assert next(m for m in ps if m["name"] == "smol:latest")["num_parallel"] == 4
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(SMOL is None, reason="SmolLM2 is not cached")
+def test_second_turn_reuses_the_cached_history(batched: Daemon) -> None:
+    history = [{"role": "system", "content": "You are a helpful assistant. " * 40}]
+    history += [{"role": "user", "content": f"Remember the number {i}."} for i in range(20)]
+    first = httpx.post(batched.url + "/api/chat", json={
+        "model": "smol", "messages": history, "stream": False,
+        "options": {"temperature": 0, "num_predict": 8}}, timeout=300).json()
+    history += [first["message"], {"role": "user", "content": "Which numbers did I say?"}]
+    second = httpx.post(batched.url + "/api/chat", json={
+        "model": "smol", "messages": history, "stream": False,
+        "options": {"temperature": 0, "num_predict": 8}}, timeout=300).json()
+    assert first["prompt_eval_count"] > 400
+    assert second["prompt_eval_count"] < 40  # only the new turn is evaluated
+    assert second["prompt_eval_duration"] < first["prompt_eval_duration"]
+
+
+def test_a_client_that_leaves_frees_its_slot(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path / "models", tmp_path / "daemon.log", {"CORRAL_NUM_PARALLEL": "1"})
+    try:
+        create(d, "endless", write_tiny_gguf(tmp_path / "e.gguf", context_length=4096, never_ends=True),
+               template="{{ .Prompt }}", parameters={"temperature": 0, "repeat_penalty": 1.0, "num_ctx": 256})
+        with httpx.stream("POST", d.url + "/api/generate", json={"model": "endless", "prompt": "go",
+                                                                 "options": {"num_predict": -1}}, timeout=60) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n > 20:
+                    break
+        started = time.monotonic()
+        out = gen(d, "endless", "again", num_predict=5)  # the only slot must be free again
+        assert out["eval_count"] == 5 and time.monotonic() - started < 20
+    finally:
+        stop_daemon(d)
+
+
+def test_a_full_context_shifts_instead_of_stopping(batched: Daemon) -> None:
+    out = gen(batched, "endless", "go", num_predict=200)  # num_ctx is 64
+    assert out["eval_count"] == 200 and out["done_reason"] == "length"
+    with pytest.raises(httpx.HTTPStatusError) as info:
+        httpx.post(batched.url + "/api/generate", json={
+            "model": "endless", "prompt": "a " * 100, "stream": False, "truncate": False, "shift": False,
+            "options": {"num_predict": 5}}, timeout=60).raise_for_status()
+    assert info.value.response.status_code == 400
+    assert "longer than the context length" in info.value.response.json()["error"]
