@@ -1,0 +1,243 @@
+"""Many users at once: aggregate tokens/s and time to first token, corral against llama-cpp-python's stock server.
+
+Usage: .venv/bin/python bench/batching.py [--tokens 64] [--streams 1,4,8,16] [--write docs/benchmarks.md]
+
+Both servers load the same GGUF (SmolLM2-135M-Instruct, scripts/fetch_smollm2.py) on 127.0.0.1 with the same
+num_ctx and threads, one after the other in the same run, so they never compete for the 2 cores. Each stream
+asks for ``--tokens`` tokens at temperature 0 through the streaming API; aggregate tokens/s is the sum of the
+tokens generated over the wall time from the first request to the last token. Time to first token is taken per
+stream (p50, p95). The second-turn check sends a chat with a ~1,000-token history, then the same history plus one
+more turn, and compares the two times to first token.
+
+The peer needs llama-cpp-python's server extras: ``pip install sse-starlette starlette-context
+pydantic-settings`` (bench-only; corral does not depend on them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.models import smollm2_path  # noqa: E402
+
+PROMPTS = [
+    "Write a long story about a dragon who learns to paint.",
+    "Explain in detail how a steam engine works.",
+    "Describe a walk through a busy market in the morning.",
+    "Write a letter to a friend about your summer holiday.",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            httpx.get(url, timeout=1)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up")
+
+
+class Corral:
+    name = "corral"
+
+    def __init__(self, gguf: Path, ctx: int, work: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("CORRAL_", "OLLAMA_"))}
+        env.update({"CORRAL_HOST": f"127.0.0.1:{self.port}", "CORRAL_MODELS": str(work / "models"),
+                    "PYTHONPATH": str(REPO)})
+        self.proc = subprocess.Popen([sys.executable, "-m", "cli", "serve"], env=env, cwd=REPO,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_up(self.url + "/api/version", self.proc)
+        digest = "sha256:" + __import__("hashlib").sha256(gguf.read_bytes()).hexdigest()
+        with gguf.open("rb") as f:
+            httpx.post(f"{self.url}/api/blobs/{digest}", content=f, timeout=120).raise_for_status()
+        httpx.post(self.url + "/api/create", json={"model": "bench", "files": {gguf.name: digest}, "stream": False,
+                                                   "parameters": {"num_ctx": ctx}}, timeout=120).raise_for_status()
+        httpx.post(self.url + "/api/generate", json={"model": "bench"}, timeout=120).raise_for_status()
+
+    def stream(self, prompt: str, tokens: int) -> tuple[float, int]:
+        body = {"model": "bench", "prompt": prompt, "options": {"temperature": 0, "num_predict": tokens}}
+        start, first, count = time.perf_counter(), 0.0, 0
+        with httpx.stream("POST", self.url + "/api/generate", json=body, timeout=600) as r:
+            for line in r.iter_lines():
+                obj = json.loads(line)
+                if obj.get("response") and not first:
+                    first = time.perf_counter() - start
+                if obj.get("done"):
+                    count = int(obj.get("eval_count") or 0)
+        return first, count
+
+    def chat_ttft(self, messages: list[dict[str, str]]) -> tuple[float, str]:
+        body = {"model": "bench", "messages": messages, "options": {"temperature": 0, "num_predict": 16}}
+        start, first, text = time.perf_counter(), 0.0, ""
+        with httpx.stream("POST", self.url + "/api/chat", json=body, timeout=600) as r:
+            for line in r.iter_lines():
+                piece = json.loads(line).get("message", {}).get("content", "")
+                if piece and not first:
+                    first = time.perf_counter() - start
+                text += piece
+        return first, text
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+class LlamaCppPythonServer(Corral):
+    name = "llama-cpp-python server"
+
+    def __init__(self, gguf: Path, ctx: int, work: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", str(ctx), "--host",
+             "127.0.0.1", "--port", str(self.port), "--model_alias", "bench", "--n_threads", str(os.cpu_count()),
+             "--interrupt_requests", "false"],  # its default drops a running stream when another request comes
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_up(self.url + "/v1/models", self.proc)
+
+    def _sse(self, path: str, body: dict[str, Any], key: str) -> tuple[float, int, str]:
+        start, first, count, text = time.perf_counter(), 0.0, 0, ""
+        with httpx.stream("POST", self.url + path, json={**body, "stream": True}, timeout=600) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                piece = choice.get("text") if key == "text" else (choice.get("delta") or {}).get("content")
+                if piece:
+                    count += 1  # one chunk per token in llama-cpp-python's server
+                    text += piece
+                    if not first:
+                        first = time.perf_counter() - start
+        return first, count, text
+
+    def stream(self, prompt: str, tokens: int) -> tuple[float, int]:
+        first, count, _ = self._sse("/v1/completions", {"prompt": prompt, "max_tokens": tokens, "temperature": 0},
+                                    "text")
+        return first, count
+
+    def chat_ttft(self, messages: list[dict[str, str]]) -> tuple[float, str]:
+        first, _, text = self._sse("/v1/chat/completions", {"messages": messages, "max_tokens": 16,
+                                                            "temperature": 0}, "delta")
+        return first, text
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def load_test(server: Corral, streams: int, tokens: int) -> dict[str, float]:
+    prompts = [PROMPTS[i % len(PROMPTS)] + f" (reader {i})" for i in range(streams)]
+    start = time.perf_counter()
+    with cf.ThreadPoolExecutor(streams) as ex:
+        results = list(ex.map(lambda p: server.stream(p, tokens), prompts))
+    wall = time.perf_counter() - start
+    ttfts = [r[0] for r in results]
+    return {"tps": sum(r[1] for r in results) / wall, "p50": pct(ttfts, 0.5) * 1000, "p95": pct(ttfts, 0.95) * 1000}
+
+
+def second_turn(server: Corral) -> tuple[float, float]:
+    history = [{"role": "system", "content": "You are a careful assistant who remembers everything. " * 12}]
+    for i in range(24):
+        history.append({"role": "user", "content": f"Note number {i}: the {i}th box holds {i * 7} red marbles."})
+        history.append({"role": "assistant", "content": f"Noted: box {i} has {i * 7} red marbles."})
+    history.append({"role": "user", "content": "How many marbles are in box 3?"})
+    first, reply = server.chat_ttft(history)
+    history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And in box 5?"}]
+    second, _ = server.chat_ttft(history)
+    return first * 1000, second * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--streams", default="1,4,8,16")
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--write", type=Path)
+    args = ap.parse_args()
+    gguf = smollm2_path()
+    if gguf is None:
+        sys.exit("SmolLM2 is not cached: run scripts/fetch_smollm2.py")
+    levels = [int(x) for x in args.streams.split(",")]
+    table: dict[str, dict[int, dict[str, float]]] = {}
+    turns: dict[str, tuple[float, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for cls in (Corral, LlamaCppPythonServer):
+            server = cls(gguf, args.ctx, Path(tmp))
+            try:
+                server.stream(PROMPTS[0], 8)  # warm up
+                table[server.name] = {n: load_test(server, n, args.tokens) for n in levels}
+                turns[server.name] = second_turn(server)
+            finally:
+                server.close()
+            print(server.name, table[server.name], turns[server.name], flush=True)
+    lines = render(table, turns, levels, args)
+    print("\n".join(lines))
+    if args.write:
+        write_section(args.write, lines)
+
+
+def render(table: dict[str, dict[int, dict[str, float]]], turns: dict[str, tuple[float, float]], levels: list[int],
+           args: argparse.Namespace) -> list[str]:
+    c, p = table["corral"], table["llama-cpp-python server"]
+    lines = [
+        "## Many users at once: continuous batching (issue 7)", "",
+        f"Command: `.venv/bin/python bench/batching.py --tokens {args.tokens} --streams {args.streams} "
+        f"--ctx {args.ctx} --write docs/benchmarks.md`", "",
+        f"SmolLM2-135M-Instruct Q4_1, CPU only, 2 cores, num_ctx {args.ctx}, {args.tokens} tokens per stream at "
+        "temperature 0, streaming. corral with its default slots (automatic: 4); llama-cpp-python 0.3.36's stock "
+        "server (`python -m llama_cpp.server --interrupt_requests false`; it serves one request at a time, and by default a new request cuts off the one streaming). Servers run one after the "
+        "other in the same run.", "",
+        "| streams | corral tok/s | llama-cpp-python server tok/s | ratio | corral TTFT p50 / p95 (ms) "
+        "| peer TTFT p50 / p95 (ms) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n in levels:
+        lines.append(f"| {n} | {c[n]['tps']:.1f} | {p[n]['tps']:.1f} | {c[n]['tps'] / p[n]['tps']:.2f} | "
+                     f"{c[n]['p50']:.0f} / {c[n]['p95']:.0f} | {p[n]['p50']:.0f} / {p[n]['p95']:.0f} |")
+    lines += ["", "Second turn of a chat with a ~1,000-token history (time to first token, ms):", "",
+              "| server | first turn | second turn | second / first |", "|---|---|---|---|"]
+    for name, (a, b) in turns.items():
+        lines.append(f"| {name} | {a:.0f} | {b:.0f} | {b / a:.2f} |")
+    return lines + [""]
+
+
+def write_section(path: Path, lines: list[str]) -> None:
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    head = "## Many users at once: continuous batching (issue 7)"
+    if head in text:
+        start = text.index(head)
+        nxt = text.find("\n## ", start + len(head))
+        text = text[:start] + text[nxt + 1:] if nxt >= 0 else text[:start]
+    path.write_text(text.rstrip("\n") + "\n\n" + "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
