@@ -259,23 +259,21 @@ class _Reader:
             rest -= len(data)
             self.pos += len(data)
 
-    def u32(self, what: str) -> int:
-        if self.left() < 4:
-            raise self._truncated(4, what)
-        self._fill(4, what)
-        v: int = _U32.unpack_from(self.buf, self.bpos)[0]
-        self.bpos += 4
-        self.pos += 4
+    def _unpack(self, fmt: struct.Struct, what: str) -> int:
+        size = fmt.size
+        if self.left() < size:
+            raise self._truncated(size, what)
+        self._fill(size, what)
+        v: int = fmt.unpack_from(self.buf, self.bpos)[0]
+        self.bpos += size
+        self.pos += size
         return v
 
+    def u32(self, what: str) -> int:
+        return self._unpack(_U32, what)
+
     def u64(self, what: str) -> int:
-        if self.left() < 8:
-            raise self._truncated(8, what)
-        self._fill(8, what)
-        v: int = _U64.unpack_from(self.buf, self.bpos)[0]
-        self.bpos += 8
-        self.pos += 8
-        return v
+        return self._unpack(_U64, what)
 
     def string(self, what: str, *, keep: bool = True) -> str | None:
         n = self.u64(f"the length of {what}")
