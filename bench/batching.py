@@ -35,6 +35,12 @@ sys.path.insert(0, str(REPO))
 
 from tests.models import smollm2_path  # noqa: E402
 
+# The peers come from llama-cpp-python's sdist (the same version corral pins), unpacked here by
+# bench/setup_peers.sh: its batched example server (examples/server/server.py) and llama.cpp's llama-server,
+# built from the llama.cpp sources vendored in it.
+SDIST = Path(os.environ.get("CORRAL_BENCH_SDIST",
+                            Path.home() / ".cache" / "corral-bench" / "llama_cpp_python-0.3.36"))
+
 PROMPTS = [
     "Write a long story about a dragon who learns to paint.",
     "Explain in detail how a steam engine works.",
@@ -65,12 +71,12 @@ def wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> No
 class Corral:
     name = "corral"
 
-    def __init__(self, gguf: Path, ctx: int, work: Path) -> None:
+    def __init__(self, gguf: Path, ctx: int, work: Path, slots: int) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("CORRAL_", "OLLAMA_"))}
         env.update({"CORRAL_HOST": f"127.0.0.1:{self.port}", "CORRAL_MODELS": str(work / "models"),
-                    "PYTHONPATH": str(REPO)})
+                    "PYTHONPATH": str(REPO), "CORRAL_NUM_PARALLEL": str(slots)})
         self.proc = subprocess.Popen([sys.executable, "-m", "cli", "serve"], env=env, cwd=REPO,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_up(self.url + "/api/version", self.proc)
@@ -109,33 +115,37 @@ class Corral:
         self.proc.wait(30)
 
 
-class LlamaCppPythonServer(Corral):
-    name = "llama-cpp-python server"
+class OpenAIPeer(Corral):
+    """A peer spoken to through its OpenAI-style streaming API (``/v1/completions``, ``/v1/chat/completions``)."""
 
-    def __init__(self, gguf: Path, ctx: int, work: Path) -> None:
+    name = "peer"
+
+    def start(self, argv: list[str], ready_path: str = "/v1/models") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", str(ctx), "--host",
-             "127.0.0.1", "--port", str(self.port), "--model_alias", "bench", "--n_threads", str(os.cpu_count()),
-             "--interrupt_requests", "false"],  # its default drops a running stream when another request comes
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_up(self.url + "/v1/models", self.proc)
+        argv = [a.replace("{port}", str(self.port)) for a in argv]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_up(self.url + ready_path, self.proc)
 
     def _sse(self, path: str, body: dict[str, Any], key: str) -> tuple[float, int, str]:
-        start, first, count, text = time.perf_counter(), 0.0, 0, ""
-        with httpx.stream("POST", self.url + path, json={**body, "stream": True}, timeout=600) as r:
+        start, first, chunks, text, usage = time.perf_counter(), 0.0, 0, "", 0
+        body = {**body, "model": "bench", "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", self.url + path, json=body, timeout=600) as r:
+            r.raise_for_status()
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                choice = json.loads(line[6:])["choices"][0]
-                piece = choice.get("text") if key == "text" else (choice.get("delta") or {}).get("content")
-                if piece:
-                    count += 1  # one chunk per token in llama-cpp-python's server
-                    text += piece
-                    if not first:
-                        first = time.perf_counter() - start
-        return first, count, text
+                obj = json.loads(line[6:])
+                if obj.get("usage"):
+                    usage = int(obj["usage"].get("completion_tokens") or 0)
+                for choice in obj.get("choices") or []:
+                    piece = choice.get("text") if key == "text" else (choice.get("delta") or {}).get("content")
+                    if piece:
+                        chunks += 1
+                        text += piece
+                        if not first:
+                            first = time.perf_counter() - start
+        return first, usage or chunks, text
 
     def stream(self, prompt: str, tokens: int) -> tuple[float, int]:
         first, count, _ = self._sse("/v1/completions", {"prompt": prompt, "max_tokens": tokens, "temperature": 0},
@@ -146,6 +156,43 @@ class LlamaCppPythonServer(Corral):
         first, _, text = self._sse("/v1/chat/completions", {"messages": messages, "max_tokens": 16,
                                                             "temperature": 0}, "delta")
         return first, text
+
+
+class LlamaCppPythonServer(OpenAIPeer):
+    name = "llama-cpp-python server"
+
+    def __init__(self, gguf: Path, ctx: int, work: Path, slots: int) -> None:
+        self.start([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", str(ctx),
+                    "--host", "127.0.0.1", "--port", "{port}", "--model_alias", "bench",
+                    "--n_threads", str(os.cpu_count()),
+                    "--interrupt_requests", "false"])  # its default drops a running stream when another comes
+
+
+class BatchedExampleServer(OpenAIPeer):
+    name = "llama-cpp-python batched example"
+
+    def __init__(self, gguf: Path, ctx: int, work: Path, slots: int) -> None:
+        script = SDIST / "examples" / "server" / "server.py"
+        config = work / "example.json"
+        port = free_port()
+        config.write_text(json.dumps({
+            "server": {"host": "127.0.0.1", "port": port},
+            "model": {"alias": "bench", "path": str(gguf), "n_ctx": ctx * slots, "n_seq_max": slots,
+                      "n_batch": 512, "n_ubatch": 512, "threads": os.cpu_count(), "threads_batch": os.cpu_count()},
+        }))
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([sys.executable, str(script), "-C", str(config)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        wait_up(self.url + "/v1/models", self.proc)
+
+
+class LlamaServer(OpenAIPeer):
+    name = "llama.cpp llama-server"
+
+    def __init__(self, gguf: Path, ctx: int, work: Path, slots: int) -> None:
+        binary = SDIST / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
+        self.start([str(binary), "-m", str(gguf), "-c", str(ctx * slots), "-np", str(slots), "-t",
+                    str(os.cpu_count()), "--host", "127.0.0.1", "--port", "{port}", "-a", "bench"], "/health")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -180,6 +227,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--streams", default="1,4,8,16")
     ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--slots", type=int, default=4, help="parallel sequences for every server")
+    ap.add_argument("--peers", default="llama-server,batched-example,llama-cpp-python-server")
     ap.add_argument("--write", type=Path)
     args = ap.parse_args()
     gguf = smollm2_path()
@@ -189,8 +238,10 @@ def main() -> None:
     table: dict[str, dict[int, dict[str, float]]] = {}
     turns: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for cls in (Corral, LlamaCppPythonServer):
-            server = cls(gguf, args.ctx, Path(tmp))
+        chosen = {"llama-server": LlamaServer, "batched-example": BatchedExampleServer,
+                  "llama-cpp-python-server": LlamaCppPythonServer}
+        for cls in [Corral, *(chosen[p] for p in args.peers.split(",") if p)]:
+            server = cls(gguf, args.ctx, Path(tmp), args.slots)
             try:
                 server.stream(PROMPTS[0], 8)  # warm up
                 table[server.name] = {n: load_test(server, n, args.tokens) for n in levels}
@@ -206,22 +257,33 @@ def main() -> None:
 
 def render(table: dict[str, dict[int, dict[str, float]]], turns: dict[str, tuple[float, float]], levels: list[int],
            args: argparse.Namespace) -> list[str]:
-    c, p = table["corral"], table["llama-cpp-python server"]
+    peers = [name for name in table if name != "corral"]
+    c = table["corral"]
     lines = [
         "## Many users at once: continuous batching (issue 7)", "",
-        f"Command: `.venv/bin/python bench/batching.py --tokens {args.tokens} --streams {args.streams} "
-        f"--ctx {args.ctx} --write docs/benchmarks.md`", "",
-        f"SmolLM2-135M-Instruct Q4_1, CPU only, 2 cores, num_ctx {args.ctx}, {args.tokens} tokens per stream at "
-        "temperature 0, streaming. corral with its default slots (automatic: 4); llama-cpp-python 0.3.36's stock "
-        "server (`python -m llama_cpp.server --interrupt_requests false`; it serves one request at a time, and by default a new request cuts off the one streaming). Servers run one after the "
-        "other in the same run.", "",
-        "| streams | corral tok/s | llama-cpp-python server tok/s | ratio | corral TTFT p50 / p95 (ms) "
-        "| peer TTFT p50 / p95 (ms) |",
-        "|---|---|---|---|---|---|",
+        f"Command: `bench/setup_peers.sh && .venv/bin/python bench/batching.py --tokens {args.tokens} "
+        f"--streams {args.streams} --ctx {args.ctx} --slots {args.slots} --write docs/benchmarks.md`", "",
+        f"SmolLM2-135M-Instruct Q4_1, CPU only, 2 cores, num_ctx {args.ctx} per sequence, {args.slots} parallel "
+        f"sequences for every server that batches, {args.tokens} tokens per stream at temperature 0, streaming. "
+        "Peers: llama.cpp's `llama-server` built from the llama.cpp sources vendored in the llama-cpp-python 0.3.36 "
+        "sdist (`-np` slots, `-c` = num_ctx x slots); that sdist's batched example server "
+        "(`examples/server/server.py`, `n_seq_max` slots); llama-cpp-python's stock server (`python -m "
+        "llama_cpp.server --interrupt_requests false`: one request at a time; by default a new request cuts off the "
+        "one streaming). Servers run one after the other in the same run. Aggregate generated tokens/s; ratio = "
+        "corral / best peer.", "",
+        "| streams | corral | " + " | ".join(peers) + " | corral / best peer |",
+        "|---|---|" + "---|" * len(peers) + "---|",
     ]
     for n in levels:
-        lines.append(f"| {n} | {c[n]['tps']:.1f} | {p[n]['tps']:.1f} | {c[n]['tps'] / p[n]['tps']:.2f} | "
-                     f"{c[n]['p50']:.0f} / {c[n]['p95']:.0f} | {p[n]['p50']:.0f} / {p[n]['p95']:.0f} |")
+        best = max(table[p][n]["tps"] for p in peers) if peers else 0.0
+        cells = " | ".join(f"{table[p][n]['tps']:.1f}" for p in peers)
+        ratio = f"{c[n]['tps'] / best:.2f}" if best else "-"
+        lines.append(f"| {n} | {c[n]['tps']:.1f} | {cells} | {ratio} |")
+    lines += ["", "Time to first token, p50 / p95 (ms):", "",
+              "| streams | corral | " + " | ".join(peers) + " |", "|---|---|" + "---|" * len(peers)]
+    for n in levels:
+        cells = " | ".join(f"{table[p][n]['p50']:.0f} / {table[p][n]['p95']:.0f}" for p in peers)
+        lines.append(f"| {n} | {c[n]['p50']:.0f} / {c[n]['p95']:.0f} | {cells} |")
     lines += ["", "Second turn of a chat with a ~1,000-token history (time to first token, ms):", "",
               "| server | first turn | second turn | second / first |", "|---|---|---|---|"]
     for name, (a, b) in turns.items():

@@ -197,9 +197,10 @@ class Engine:
                     self._cv.wait()
                 if self._closed:
                     break
-                self._admit()
-            self._reap_cancelled()
             try:
+                with self._cv:
+                    self._admit()
+                self._reap_cancelled()
                 self._step()
             except EngineError as exc:
                 for slot in self.slots:
@@ -242,6 +243,10 @@ class Engine:
             seq.prompt_eval_count = max(1, len(seq.pending))
 
     def _reap_cancelled(self) -> None:
+        with self._cv:
+            gone = [q for q in self.waiting if q.cancelled]  # left before they got a slot
+        for seq in gone:
+            self._finish(seq, "stop")
         for slot in self.slots:
             if slot.seq is not None and slot.seq.cancelled:
                 self._finish(slot.seq, "stop")
