@@ -61,10 +61,11 @@ def wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> No
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
-            httpx.get(url, timeout=1)
-            return
+            if httpx.get(url, timeout=1).status_code < 500:  # llama-server answers 503 while it loads
+                return
         except httpx.HTTPError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
     raise RuntimeError(f"{url} did not come up")
 
 
