@@ -193,6 +193,19 @@ class DaemonClient:
         """``POST /api/create`` (streaming): the progress objects, ending with ``{"status": "success"}``."""
         return self.stream("POST", "/api/create", {**payload, "stream": True})
 
+    def pull(self, model: str, *, insecure: bool = False) -> Iterator[dict[str, Any]]:
+        """``POST /api/pull`` (streaming): Ollama's pull progress objects, ending with ``success``."""
+        return self.stream("POST", "/api/pull", {"model": model, "insecure": insecure, "stream": True})
+
+    def push(self, model: str, *, insecure: bool = False) -> Iterator[dict[str, Any]]:
+        """``POST /api/push`` (streaming): Ollama's push progress objects, ending with ``success``."""
+        return self.stream("POST", "/api/push", {"model": model, "insecure": insecure, "stream": True})
+
+    def prune(self, *, dry_run: bool = False) -> dict[str, Any]:
+        """``POST /api/prune`` (corral's own): the files removed (or that would be) and the bytes freed."""
+        result = self._json("POST", "/api/prune", {"dry_run": dry_run})
+        return result if isinstance(result, dict) else {}
+
 
 def _loads(line: str) -> Any:
     return json.loads(line)

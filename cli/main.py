@@ -16,6 +16,8 @@ import typer
 
 from cli import output
 from cli.commands import create, listing, manage, ps, run, serve, service, show, version
+from cli.commands import login as login_cmd
+from cli.commands import registry as registry_cmd
 from cli.errors import render_error
 from registry.errors import CorralError
 
@@ -56,6 +58,11 @@ app.command("list")(listing.list_models)
 app.command("ls", hidden=True)(listing.list_models)
 app.command("cp")(manage.copy)
 app.command("rm")(manage.remove)
+app.command("pull")(registry_cmd.pull)
+app.command("push")(registry_cmd.push)
+app.command("prune")(registry_cmd.prune)
+app.command("login")(login_cmd.login)
+app.command("logout")(login_cmd.logout)
 app.add_typer(service.app, name="service")
 
 

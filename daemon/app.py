@@ -16,6 +16,7 @@ from daemon.catalog import Catalog
 from daemon.eviction import Budget
 from daemon.inference import Inference
 from daemon.routes import blobs, create, embed, generate, meta, models, ps
+from daemon.routes import registry as registry_routes
 from daemon.runners.base import LoadSpec, MemoryUse, Runner
 from daemon.scheduler import ModelRef, Scheduler
 from daemon.security import DoorGuard
@@ -108,6 +109,7 @@ def create_app(
     errors.install(app)
     for module in (meta, models, blobs, create, generate, embed, ps):
         app.include_router(module.router)
+    app.include_router(registry_routes.router)
     metrics = Metrics(scheduler)
     app.state.metrics = metrics
 

@@ -8,7 +8,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from registry.errors import CorralError, InvalidRequest, NotFound, StoreError, StoreLocked
+from registry.errors import (
+    CorralError,
+    InsufficientSpace,
+    InvalidRequest,
+    NotFound,
+    RegistryError,
+    StoreError,
+    StoreLocked,
+)
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +35,9 @@ STATUS_TABLE: list[tuple[type[BaseException], int]] = [
     (RequestCanceled, 499),
     (InvalidRequest, 400),
     (NotFound, 404),
+    (RegistryError, 502),
     (StoreLocked, 503),
+    (InsufficientSpace, 507),
     (StoreError, 500),
     (CorralError, 500),
 ]

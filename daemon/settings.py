@@ -36,6 +36,8 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
     "CORRAL_LOG_PROMPTS": ("log each request's prompt (off: prompts are private)", "false"),
     "CORRAL_API_KEY": ("require this key (Authorization: Bearer or x-api-key) on every request", ""),
     "CORRAL_API_KEY_FILE": ("read the API key from this file instead (first line)", ""),
+    "CORRAL_REGISTRY_AUTH": ("registry credentials file (docker config.json format) for login, pull and push",
+                             "<user config dir>/corral/auth.json, then ~/.docker/config.json"),
     "CORRAL_RAM_BUDGET": ("bytes of RAM loaded models may use, e.g. 8GiB", "free RAM less a reserve"),
     "CORRAL_VRAM_BUDGET": ("bytes of VRAM loaded models may use, e.g. 20GiB", "free VRAM less a reserve"),
 }
@@ -217,6 +219,7 @@ class Settings:
     log_prompts: bool = False
     ram_budget: int | None = None
     vram_budget: int | None = None
+    registry_auth: str = ""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -244,6 +247,7 @@ class Settings:
             log_prompts=_bool(get("CORRAL_LOG_PROMPTS")),
             ram_budget=parse_bytes(ram, "CORRAL_RAM_BUDGET") if ram else None,
             vram_budget=parse_bytes(vram, "CORRAL_VRAM_BUDGET") if vram else None,
+            registry_auth=get("CORRAL_REGISTRY_AUTH"),
         )
 
 

@@ -13,12 +13,21 @@ This module imports nothing from the project, so every package (including the pu
     │   ├── DigestMismatch
     │   ├── InvalidGGUF
     │   ├── InvalidManifest
+    │   ├── InsecureRegistry     a plain-HTTP registry named without --insecure
     │   └── ModelfileError       (modelfile.errors; has line and column)
     ├── NotFound                 (404)
     │   ├── ModelNotFound
-    │   └── BlobNotFound
+    │   ├── BlobNotFound
+    │   └── RegistryNotFound     the registry has no such model or blob
+    ├── RegistryError            a remote registry failed, refused us or misbehaved (502)
+    │   ├── RegistryUnauthorized no credentials, or the registry refused them
+    │   ├── RegistryUnreachable  DNS, refused connection, TLS failure, timeouts
+    │   ├── RegistryProtocolError  an answer that breaks the protocol or our limits
+    │   └── BlobDigestMismatch   downloaded bytes that do not hash to their digest
+    ├── CredentialsError         a registry credentials file cannot be read or written
     ├── StoreLocked              another daemon owns the models directory
     └── StoreError               the store could not be read or written (500)
+        └── InsufficientSpace    not enough free disk space for a pull
 """
 
 from __future__ import annotations
@@ -88,3 +97,44 @@ class StoreLocked(CorralError):
 
 class StoreError(CorralError):
     """The store could not be read or written (disk full, permissions...)."""
+
+
+class InsufficientSpace(StoreError):
+    """A pull needs more disk space than the models directory's filesystem has free."""
+
+
+class RegistryNotFound(NotFound):
+    """The registry answered 404 for a manifest or blob."""
+
+
+class InsecureRegistry(InvalidRequest):
+    """A plain-HTTP registry was named without ``insecure``."""
+
+
+class RegistryError(CorralError):
+    """A remote registry failed, refused us or misbehaved. The message names the registry."""
+
+
+class RegistryUnauthorized(RegistryError):
+    """The registry answered 401/403 even with the credentials we have (or we have none)."""
+
+
+class RegistryUnreachable(RegistryError):
+    """The registry could not be reached: DNS, refused connection, TLS failure, timeouts."""
+
+
+class RegistryProtocolError(RegistryError):
+    """An answer that breaks the protocol or our limits: a bad manifest, an oversized body, a bad redirect."""
+
+
+class BlobDigestMismatch(RegistryError):
+    """Downloaded bytes that do not hash to the digest the manifest promised; they are discarded."""
+
+    def __init__(self, expected: str, actual: str) -> None:
+        super().__init__(f"digest mismatch, file must be downloaded again: want {expected}, got {actual}")
+        self.expected = expected
+        self.actual = actual
+
+
+class CredentialsError(CorralError):
+    """A registry credentials file (docker-style ``config.json``) cannot be read or written."""

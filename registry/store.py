@@ -2,6 +2,8 @@
 
     <root>/blobs/sha256-<hex>                          immutable, digest-verified
     <root>/manifests/<host>/<namespace>/<model>/<tag>  Docker v2 JSON, replaced atomically
+    <root>/blobs/sha256-<hex>-partial                  a download in progress (sparse, pre-sized)
+    <root>/blobs/sha256-<hex>-partial.json             its parts and how far each got (registry/download.py)
 
 Every path comes from :meth:`Store._path`, which only accepts validated :class:`Digest` and :class:`ModelName`
 values and checks that the result lies inside the store. Blobs are written to a temp file in ``blobs/`` while
@@ -39,6 +41,12 @@ log = logging.getLogger(__name__)
 TEMP_PREFIX = "sha256-tmp-"
 LOCK_NAME = ".corral.lock"
 PRUNE_GRACE_SECONDS = 3600.0
+PARTIAL_SUFFIX = "-partial"
+PARTIAL_STATE_SUFFIX = "-partial.json"
+#: A partial download untouched this long is removed by the startup prune (``corral prune`` removes any that is
+#: not downloading now). Long enough that a pull interrupted on Friday still resumes on Monday.
+PARTIAL_GRACE_SECONDS = 7 * 24 * 3600.0
+MAX_PARTIAL_STATE = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,21 @@ class PrunePlan:
     blobs: tuple[Path, ...]
     bytes_freed: int
     skipped_reason: str | None = None
+    partials: tuple[Path, ...] = ()  # partial downloads (data and state files)
+
+
+def partial_digest(filename: str) -> Digest | None:
+    """``sha256-<hex>-partial`` or ``sha256-<hex>-partial.json`` -> Digest; anything else -> None."""
+    for suffix in (PARTIAL_STATE_SUFFIX, PARTIAL_SUFFIX):
+        if filename.endswith(suffix):
+            return Digest.from_filename(filename[: -len(suffix)])
+    return None
+
+
+def disk_bytes(st: os.stat_result) -> int:
+    """Bytes a file really occupies (a sparse partial download is smaller than its length)."""
+    blocks = getattr(st, "st_blocks", None)
+    return st.st_size if blocks is None else min(st.st_size, blocks * 512)
 
 
 class BlobWriter:
@@ -124,9 +147,11 @@ class Store:
             raise StoreError(f"cannot create the models directory {self.root}: {exc.strerror or exc}") from exc
 
     # -- the one place paths are built -------------------------------------------------------------------------
-    def _path(self, item: Digest | ModelName) -> Path:
+    def _path(self, item: Digest | ModelName, suffix: str = "") -> Path:
+        if suffix not in ("", PARTIAL_SUFFIX, PARTIAL_STATE_SUFFIX):  # pragma: no cover - internal misuse
+            raise ValueError(f"unknown blob suffix {suffix!r}")
         if isinstance(item, Digest):
-            path = self.blobs_dir / item.filename
+            path = self.blobs_dir / (item.filename + suffix)
         elif isinstance(item, ModelName):
             path = self.manifests_dir.joinpath(*item.parts())
         else:  # pragma: no cover - guarded by types
@@ -138,6 +163,14 @@ class Store:
 
     def blob_path(self, digest: Digest) -> Path:
         return self._path(digest)
+
+    def partial_path(self, digest: Digest) -> Path:
+        """The data file of a download in progress."""
+        return self._path(digest, PARTIAL_SUFFIX)
+
+    def partial_state_path(self, digest: Digest) -> Path:
+        """The JSON state (parts and their progress) of a download in progress."""
+        return self._path(digest, PARTIAL_STATE_SUFFIX)
 
     def manifest_path(self, name: ModelName) -> Path:
         return self._path(name)
@@ -214,6 +247,62 @@ class Store:
             for entry in it:
                 if entry.is_file(follow_symlinks=False):
                     yield Path(entry.path)
+
+    # -- partial downloads -------------------------------------------------------------------------------------
+    def read_partial_state(self, digest: Digest) -> bytes | None:
+        try:
+            with open(self.partial_state_path(digest), "rb") as f:
+                data = f.read(MAX_PARTIAL_STATE + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("cannot read partial download state digest=%s error=%s", digest, exc)
+            return None
+        return data if len(data) <= MAX_PARTIAL_STATE else None
+
+    def write_partial_state(self, digest: Digest, data: bytes) -> None:
+        """Replace the state file atomically (temp file + rename; a crash leaves the old or the new one)."""
+        path = self.partial_state_path(digest)
+        tmp = self.blobs_dir / f"{TEMP_PREFIX}{secrets.token_hex(16)}"
+        try:
+            with open(tmp, "xb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise StoreError(f"could not save download progress {path}: {exc.strerror or exc}") from exc
+
+    def remove_partial(self, digest: Digest) -> None:
+        for path in (self.partial_state_path(digest), self.partial_path(digest)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    def commit_partial(self, digest: Digest) -> None:
+        """Move a finished, verified download into place as the blob (fsync'd, mode 0644)."""
+        src, final = self.partial_path(digest), self.blob_path(digest)
+        try:
+            fd = os.open(src, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.chmod(src, 0o644)
+            os.replace(src, final)
+            _fsync_dir(final.parent)
+        except OSError as exc:
+            raise StoreError(f"could not store blob {digest}: {exc.strerror or exc}") from exc
+        with contextlib.suppress(FileNotFoundError):
+            self.partial_state_path(digest).unlink()
+
+    def partial_digests(self) -> set[Digest]:
+        """Digests that have partial download files."""
+        out = set()
+        for path in self.iter_blob_files():
+            d = partial_digest(path.name)
+            if d is not None:
+                out.add(d)
+        return out
 
     # -- manifests ---------------------------------------------------------------------------------------------
     def canonical(self, name: ModelName) -> ModelName:
@@ -360,32 +449,52 @@ class Store:
             directory = directory.parent
 
     # -- pruning -----------------------------------------------------------------------------------------------
-    def plan_prune(self, *, grace_seconds: float = PRUNE_GRACE_SECONDS, now: float | None = None) -> PrunePlan:
-        """Unreferenced blobs and stale temp files older than ``grace_seconds``; nothing if a manifest is corrupt."""
+    def plan_prune(self, *, grace_seconds: float = PRUNE_GRACE_SECONDS,
+                   partial_grace_seconds: float = PARTIAL_GRACE_SECONDS, keep: frozenset[Digest] = frozenset(),
+                   now: float | None = None) -> PrunePlan:
+        """What a prune would remove: unreferenced blobs and stale temp files older than ``grace_seconds``, and
+        partial downloads untouched for ``partial_grace_seconds``. Digests in ``keep`` (downloads in flight) are
+        never touched. Nothing at all if a manifest is corrupt."""
         try:
             refs = self.referenced_blobs(strict=True)
         except InvalidManifest as exc:
             return PrunePlan(blobs=(), bytes_freed=0, skipped_reason=str(exc))
         now = time.time() if now is None else now
         victims, total = [], 0
+        downloads: dict[Digest, list[tuple[Path, os.stat_result]]] = {}
         for path in self.iter_blob_files():
-            st = path.stat()
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            partial = partial_digest(path.name)
+            if partial is not None:
+                downloads.setdefault(partial, []).append((path, st))
+                continue
             if now - st.st_mtime < grace_seconds:
                 continue
             digest = Digest.from_filename(path.name)
-            if digest is not None and digest in refs:
+            if digest is not None and (digest in refs or digest in keep):
                 continue
             if digest is None and not path.name.startswith(TEMP_PREFIX):
-                continue  # not ours (partial downloads are handled by the puller)
+                continue  # not ours
             victims.append(path)
-            total += st.st_size
-        return PrunePlan(blobs=tuple(victims), bytes_freed=total)
+            total += disk_bytes(st)
+        partials = []
+        for digest, files in sorted(downloads.items(), key=lambda item: str(item[0])):
+            newest = max(st.st_mtime for _path, st in files)
+            if digest in keep or now - newest < partial_grace_seconds:
+                continue  # the data and its state go together, judged by the newer of the two
+            for path, st in files:
+                partials.append(path)
+                total += disk_bytes(st)
+        return PrunePlan(blobs=tuple(victims), bytes_freed=total, partials=tuple(partials))
 
     def prune(self, plan: PrunePlan) -> int:
         freed = 0
-        for path in plan.blobs:
+        for path in (*plan.blobs, *plan.partials):
             with contextlib.suppress(FileNotFoundError):
-                size = path.stat().st_size
+                size = disk_bytes(path.stat())
                 path.unlink()
                 freed += size
         for dirpath, _dirs, _files in sorted(os.walk(self.manifests_dir), key=lambda t: -len(t[0])):

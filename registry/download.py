@@ -1,0 +1,491 @@
+"""Blob downloads: parallel ranged parts, progress persisted for resuming, a streaming hash, shared by pulls.
+
+A blob of N bytes is cut into parts (N/64, between 16 MiB and 256 MiB) and up to ``streams`` parts are fetched at
+once, in order, each with its own ``Range`` GET, written with ``pwrite`` at its offset into the pre-sized file
+``blobs/sha256-<hex>-partial``. How far every part got is saved (at most every ``save_interval`` seconds, and
+when the download stops) in ``blobs/sha256-<hex>-partial.json``, after the bytes it counts were written, so a
+download stopped in any way (the daemon killed, a client gone, the network down) resumes where it stopped.
+
+While parts arrive, a hasher thread follows the contiguous prefix of the file and feeds it to SHA-256, so the
+digest is known moments after the last byte. Only if it matches does the file move into ``blobs/``; otherwise it
+is deleted and the pull fails with "digest mismatch". A part that fails is retried with exponential backoff; one
+that receives nothing for ``read_timeout`` seconds ("stalled") is restarted without counting as a retry.
+
+:class:`Downloads` is the daemon's table of downloads in flight: two pulls that need the same blob share one
+:class:`Download`, and when every pull waiting on a download has gone, it is cancelled (its progress kept).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from registry.digest import Digest
+from registry.errors import (
+    BlobDigestMismatch,
+    CorralError,
+    RegistryUnreachable,
+    StoreError,
+)
+from registry.fetch import RangeIgnored, RangeReader, Rejected, Stalled, Transient, open_range
+from registry.remote import RegistryClient, backoff
+from registry.store import Store
+
+log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Knobs of a download (tests shrink the parts and the waits)."""
+
+    streams: int = 8
+    part_size: int | None = None  # None: total/target_parts within [min_part, max_part]
+    target_parts: int = 64
+    min_part: int = 16 * MiB
+    max_part: int = 256 * MiB
+    read_timeout: float = 30.0
+    max_retries: int = 6
+    max_stalls: int = 10
+    backoff: float = 1.0
+    save_interval: float = 0.5
+    buffer: int = 1 * MiB
+    hash_buffer: int = 8 * MiB
+    flush_every: int = 64 * MiB
+
+
+@dataclass
+class Part:
+    offset: int
+    size: int
+    completed: int = 0
+
+    @property
+    def end(self) -> int:
+        """The last byte (inclusive), as a Range header wants it."""
+        return self.offset + self.size - 1
+
+    @property
+    def done(self) -> bool:
+        return self.completed >= self.size
+
+
+def plan_parts(total: int, tuning: Tuning) -> list[Part]:
+    size = tuning.part_size or min(tuning.max_part, max(tuning.min_part, -(-total // tuning.target_parts)))
+    return [Part(offset, min(size, total - offset)) for offset in range(0, total, size)]
+
+
+class Cancelled(CorralError):
+    """Every pull waiting on the download went away."""
+
+    def __init__(self) -> None:
+        super().__init__("download cancelled")
+
+
+class _Restart(Exception):
+    """Internal: start the download again as one part (the server ignores ranges)."""
+
+
+class Download:
+    """One blob being fetched into the store. Thread-safe; :meth:`start` runs it in a thread of its own."""
+
+    def __init__(self, store: Store, digest: Digest, size: int, remote: RegistryClient, *,
+                 tuning: Tuning | None = None, on_bytes: Callable[[int], None] | None = None) -> None:
+        self.store = store
+        self.digest = digest
+        self.total = size
+        self.remote = remote.retain()
+        self.tuning = tuning or Tuning()
+        self.on_bytes = on_bytes
+        self.blob_url = remote.blob_url(digest)
+        self.cond = threading.Condition()
+        self.parts: list[Part] = []
+        self.completed = 0  # bytes present in the partial file (resumed plus fetched)
+        self.fetched = 0  # bytes received by this download
+        self.resumed = 0  # bytes found from an earlier attempt
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+        self.cancelled = threading.Event()
+        self.waiters = 0
+        self._stop = threading.Event()  # cancelled, or a part failed for good
+        self._failure: BaseException | None = None
+        self._url = self.blob_url
+        self._resolved = threading.Event()
+        self._readers: set[RangeReader] = set()
+        self._next = 0
+        self._fd = -1
+        self._last_save = 0.0
+        self._save_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    # -- control -------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"download-{self.digest.short}", daemon=True)
+        self._thread.start()
+
+    def cancel(self) -> None:
+        """Stop soon: open connections are shut down; progress so far is saved for the next attempt."""
+        self.cancelled.set()
+        self._halt()
+
+    def _halt(self) -> None:
+        self._stop.set()
+        with self.cond:
+            readers = list(self._readers)
+            self.cond.notify_all()
+        for reader in readers:
+            reader.abort()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.finished.wait(timeout)
+
+    # -- the download ---------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            self._download()
+            log.info("blob downloaded digest=%s bytes=%d fetched=%d resumed=%d seconds=%.2f", self.digest,
+                     self.total, self.fetched, self.resumed, time.monotonic() - started)
+        except BaseException as exc:  # noqa: BLE001 - every outcome is reported to the waiting pulls
+            self.error = exc
+            if self.completed == 0:
+                self.store.remove_partial(self.digest)  # nothing worth resuming
+            if not isinstance(exc, Cancelled):
+                log.warning("blob download failed digest=%s error=%s", self.digest, exc)
+        finally:
+            self.remote.release()
+            self.finished.set()
+            with self.cond:
+                self.cond.notify_all()
+
+    def _download(self) -> None:
+        self._prepare()
+        try:
+            try:
+                self._fetch_all()
+            except _Restart:
+                log.warning("registry ignores Range requests; downloading blob %s in one stream", self.digest.short)
+                with self.cond:
+                    self.parts = [Part(0, self.total)] if self.total else []
+                    self.completed = self.resumed = 0
+                    self._next = 0
+                self._stop.clear()
+                self._failure = None
+                self._fetch_all(streams=1)
+        finally:
+            os.close(self._fd)
+
+    def _prepare(self) -> None:
+        """Resume from the saved state if it is sound, else start afresh with a pre-sized sparse file."""
+        parts = self._load_state()
+        path = self.store.partial_path(self.digest)
+        if parts is None:
+            self.store.remove_partial(self.digest)
+            parts = plan_parts(self.total, self.tuning)
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            if os.fstat(self._fd).st_size != self.total:
+                os.ftruncate(self._fd, self.total)
+        except OSError as exc:
+            if self._fd >= 0:
+                os.close(self._fd)
+            raise StoreError(f"cannot create {path}: {exc.strerror or exc}") from exc
+        self.parts = parts
+        self.completed = self.resumed = sum(p.completed for p in parts)
+        self._save(force=True)
+
+    def _load_state(self) -> list[Part] | None:
+        raw = self.store.read_partial_state(self.digest)
+        if raw is None:
+            return None
+        try:
+            doc = json.loads(raw)
+            parts = [Part(int(o), int(s), int(c)) for o, s, c in doc["parts"]]
+            sound = doc["digest"] == str(self.digest) and doc["total"] == self.total
+        except (ValueError, KeyError, TypeError):
+            sound, parts = False, []
+        offset = 0
+        for p in parts:
+            sound = sound and p.offset == offset and p.size > 0 and 0 <= p.completed <= p.size
+            offset += p.size
+        try:
+            data_size = self.store.partial_path(self.digest).stat().st_size
+        except FileNotFoundError:
+            data_size = -1
+        if not (sound and offset == self.total and data_size == self.total):
+            log.warning("discarding unusable partial download digest=%s", self.digest)
+            return None
+        log.info("resuming download digest=%s have=%d of %d", self.digest, sum(p.completed for p in parts),
+                 self.total)
+        return parts
+
+    def _save(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_save < self.tuning.save_interval:
+            return
+        if not self._save_lock.acquire(blocking=force):
+            return  # another thread is saving right now
+        try:
+            with self.cond:
+                doc = {"digest": str(self.digest), "total": self.total,
+                       "parts": [[p.offset, p.size, p.completed] for p in self.parts]}
+            self.store.write_partial_state(self.digest, json.dumps(doc, separators=(",", ":")).encode())
+            self._last_save = now
+        finally:
+            self._save_lock.release()
+
+    def _fetch_all(self, streams: int | None = None) -> None:
+        pending = sum(1 for p in self.parts if not p.done)
+        n = max(1, min(streams or self.tuning.streams, pending))
+        self._resolved.clear()
+        result: dict[str, str | None] = {}
+        hasher = threading.Thread(target=self._hash, args=(result,), name=f"hash-{self.digest.short}", daemon=True)
+        hasher.start()
+        flusher = threading.Thread(target=self._flush, name=f"flush-{self.digest.short}", daemon=True)
+        flusher.start()
+        workers = [threading.Thread(target=self._worker, args=(i == 0,), name=f"part-{self.digest.short}-{i}",
+                                    daemon=True) for i in range(n if pending else 0)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        if self._failure is not None or (self._stop.is_set() and not all(p.done for p in self.parts)):
+            self._halt()
+        hasher.join()
+        with self.cond:
+            self.cond.notify_all()
+        flusher.join()
+        self._save(force=True)
+        if isinstance(self._failure, _Restart):
+            raise self._failure
+        if self._failure is not None:
+            raise self._failure
+        if self.cancelled.is_set() and not all(p.done for p in self.parts):
+            raise Cancelled()
+        actual = result.get("digest")
+        if actual is None:  # pragma: no cover - the hasher only stops early when the download stopped
+            raise StoreError(f"could not hash the download of {self.digest}")
+        if actual != self.digest.hex:
+            self.store.remove_partial(self.digest)
+            raise BlobDigestMismatch(str(self.digest), f"sha256:{actual}")
+        self.store.commit_partial(self.digest)
+
+    # -- workers ------------------------------------------------------------------------------------------------
+    def _take(self) -> Part | None:
+        with self.cond:
+            while self._next < len(self.parts) and self.parts[self._next].done:
+                self._next += 1
+            if self._stop.is_set() or self._next >= len(self.parts):
+                return None
+            part = self.parts[self._next]
+            self._next += 1
+            return part
+
+    def _worker(self, first: bool) -> None:
+        if not first:
+            # the first request finds out where the registry redirects; the others then go straight there
+            while not self._resolved.wait(0.2):
+                if self._stop.is_set():
+                    return
+        view = memoryview(bytearray(self.tuning.buffer))
+        try:
+            while (part := self._take()) is not None:
+                self._fetch_part(part, view)
+                self._resolved.set()
+        except BaseException as exc:  # noqa: BLE001 - the first failure stops the whole download
+            with self.cond:
+                if self._failure is None:
+                    self._failure = exc
+            self._halt()
+        finally:
+            self._resolved.set()
+
+    def _fetch_part(self, part: Part, view: memoryview) -> None:
+        retries = stalls = 0
+        t = self.tuning
+        while not part.done and not self._stop.is_set():
+            progressed = False
+            try:
+                reader = open_range(self.remote, self._url, self.digest, part.offset + part.completed, part.end,
+                                    self.total, timeout=t.read_timeout)
+                if reader.url != self._url:
+                    self._url = str(reader.url)
+                self._resolved.set()
+                with self.cond:
+                    self._readers.add(reader)
+                try:
+                    while reader.remaining and not self._stop.is_set():
+                        n = reader.readinto(view)
+                        self._write(view[:n], part.offset + part.completed)
+                        progressed = True
+                        self._advance(part, n)
+                finally:
+                    with self.cond:
+                        self._readers.discard(reader)
+                    reader.close()
+            except Stalled as exc:
+                stalls += 1
+                if self._stop.is_set():
+                    return
+                if stalls > t.max_stalls:
+                    raise RegistryUnreachable(f"downloading blob {self.digest.short} stalled {stalls} times: {exc}") \
+                        from exc
+                log.info("part stalled, restarting digest=%s offset=%d", self.digest.short, part.offset)
+            except (Transient, Rejected) as exc:
+                if self._stop.is_set():
+                    return
+                if isinstance(exc, Rejected):
+                    self._url = self.blob_url  # an expired redirect: ask the registry again
+                retries = 1 if progressed else retries + 1
+                if retries > t.max_retries:
+                    raise RegistryUnreachable(
+                        f"downloading blob {self.digest.short} failed after {t.max_retries} retries: {exc}"
+                    ) from exc
+                log.info("part failed, retrying digest=%s offset=%d attempt=%d error=%s", self.digest.short,
+                         part.offset, retries, exc)
+                if self._stop.wait(backoff(retries, t.backoff)):
+                    return
+            except RangeIgnored as exc:
+                raise _Restart() from exc
+
+    def _write(self, data: memoryview, offset: int) -> None:
+        while data:
+            try:
+                n = os.pwrite(self._fd, data, offset)
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise StoreError(f"disk full while downloading blob {self.digest.short} into "
+                                     f"{self.store.blobs_dir}") from exc
+                raise StoreError(f"cannot write {self.store.partial_path(self.digest)}: {exc.strerror or exc}") \
+                    from exc
+            data, offset = data[n:], offset + n
+
+    def _advance(self, part: Part, n: int) -> None:
+        with self.cond:
+            part.completed += n
+            self.completed += n
+            self.fetched += n
+            self.cond.notify_all()
+        if self.on_bytes is not None:
+            self.on_bytes(n)
+        self._save()
+
+    def _flush(self) -> None:
+        """Push written data to disk as the download goes, so that the fsync before the rename finds little
+        left to do (and the kernel's dirty-page throttling never kicks in)."""
+        flushed = self.completed
+        while True:
+            with self.cond:
+                while (not self._stop.is_set() and self.completed < self.total
+                       and self.completed - flushed < self.tuning.flush_every):
+                    self.cond.wait(0.5)
+                target, finished = self.completed, self._stop.is_set() or self.completed >= self.total
+            if target > flushed:
+                try:
+                    os.fdatasync(self._fd)
+                except OSError as exc:  # the fsync before the rename reports it
+                    log.debug("fdatasync failed digest=%s error=%s", self.digest.short, exc)
+                flushed = target
+            if finished:
+                return
+
+    # -- hashing ------------------------------------------------------------------------------------------------
+    def _available(self, pos: int, index: int) -> tuple[int, int]:
+        """Bytes ready to hash at ``pos`` within its part, and that part's index (call with the lock held)."""
+        parts = self.parts
+        while index < len(parts) and pos >= parts[index].offset + parts[index].size:
+            index += 1
+        if index >= len(parts):
+            return 0, index
+        p = parts[index]
+        return max(0, p.offset + p.completed - pos), index
+
+    def _hash(self, result: dict[str, str | None]) -> None:
+        h = hashlib.sha256()
+        view = memoryview(bytearray(self.tuning.hash_buffer))
+        pos, index = 0, 0
+        try:
+            while pos < self.total:
+                with self.cond:
+                    while True:
+                        ready, index = self._available(pos, index)
+                        if ready or self._stop.is_set():
+                            break
+                        self.cond.wait(0.5)
+                if not ready:
+                    return  # the download stopped
+                n = os.preadv(self._fd, [view[: min(ready, len(view))]], pos)
+                if n <= 0:
+                    raise StoreError(f"could not read back {self.store.partial_path(self.digest)} at {pos}")
+                h.update(view[:n])
+                pos += n
+            result["digest"] = h.hexdigest()
+        except OSError as exc:
+            with self.cond:
+                if self._failure is None:
+                    self._failure = StoreError(f"could not read back the download of {self.digest}: {exc}")
+            self._halt()
+
+
+class Downloads:
+    """The daemon's downloads in flight, by digest (one per blob, shared by every pull that needs it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active: dict[Digest, Download] = {}
+        self._pins: dict[Digest, int] = {}
+
+    def join(self, digest: Digest, make: Callable[[], Download]) -> Download:
+        """The running download of ``digest``, or a new one from ``make()``; the caller must :meth:`leave` it."""
+        while True:
+            with self._lock:
+                for d in [d for d, dl in self._active.items() if dl.finished.is_set()]:
+                    del self._active[d]
+                current = self._active.get(digest)
+                if current is None:
+                    current = make()
+                    current.waiters = 1
+                    self._active[digest] = current
+                    current.start()
+                    return current
+                if not current.cancelled.is_set():
+                    current.waiters += 1
+                    return current
+            current.finished.wait()  # a cancelled download is winding down: let it save its progress first
+
+    def leave(self, download: Download) -> None:
+        """A pull stops waiting; the last one to leave cancels an unfinished download."""
+        with self._lock:
+            download.waiters -= 1
+            if download.waiters <= 0 and not download.finished.is_set():
+                download.cancel()
+
+    def pin(self, digests: set[Digest]) -> None:
+        """Keep ``digests`` from being pruned while a pull that needs them is running."""
+        with self._lock:
+            for d in digests:
+                self._pins[d] = self._pins.get(d, 0) + 1
+
+    def unpin(self, digests: set[Digest]) -> None:
+        with self._lock:
+            for d in digests:
+                left = self._pins.get(d, 0) - 1
+                if left > 0:
+                    self._pins[d] = left
+                else:
+                    self._pins.pop(d, None)
+
+    def busy(self) -> frozenset[Digest]:
+        """Digests a prune must leave alone: downloads running and blobs pinned by pulls."""
+        with self._lock:
+            running = {d for d, dl in self._active.items() if not dl.finished.is_set()}
+            return frozenset(running | set(self._pins))
+

@@ -1,0 +1,232 @@
+"""Ranged blob GETs: the data path of a pull.
+
+Blob bytes go through the standard library's ``http.client``, reading straight into one reusable buffer per part
+(``readinto``): on this project's 2-core machines that is about twice as fast per connection as httpx's chunked
+iteration, which matters for the ≥0.9× curl target (see ``bench/pull.py``). Everything else (manifests, tokens,
+uploads) goes through httpx in ``registry/remote.py``; both use the same TLS context, proxy variables, auth
+rules and redirect policy:
+
+* redirects are followed by hand and each target is checked by :class:`registry.remote.URLPolicy`;
+* ``Authorization`` is sent only to the registry's own origin, so a CDN behind a redirect never sees it;
+* a 401 from the registry is answered once (token or Basic), then the request is repeated.
+
+Failures are sorted for the download loop: :class:`Transient` (retry with backoff), :class:`Stalled` (no bytes
+for the read timeout: restart the part), :class:`RangeIgnored` (the server sent the whole blob for a range) and
+:class:`Rejected` (an error status from a redirect target, e.g. an expired signed URL: start again from the
+registry). Anything else is a :class:`CorralError` and ends the download.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import http.client
+import re
+import socket
+import ssl
+import urllib.parse
+import urllib.request
+
+import httpx
+
+from registry.digest import Digest
+from registry.errors import InsecureRegistry, RegistryNotFound, RegistryProtocolError, RegistryUnreachable
+from registry.remote import MAX_ERROR_BYTES, MAX_REDIRECTS, Origin, RegistryClient, error_text
+
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+
+class Transient(Exception):
+    """A failure worth retrying after a pause: connection errors, 5xx, 429, short bodies."""
+
+
+class Stalled(Exception):
+    """No bytes arrived within the read timeout."""
+
+
+class RangeIgnored(Exception):
+    """The server answered a range request with the whole blob (200)."""
+
+
+class Rejected(Exception):
+    """A redirect target (not the registry) refused the request; the registry may hand out a fresh URL."""
+
+
+class RangeReader:
+    """An open ranged GET whose headers checked out; read the body with :meth:`readinto`."""
+
+    def __init__(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse, length: int,
+                 url: httpx.URL) -> None:
+        self.conn = conn
+        self.response = response
+        self.remaining = length
+        self.url = url
+
+    def readinto(self, view: memoryview) -> int:
+        """Up to ``len(view)`` bytes of the range; raises :class:`Transient` if the body ends early."""
+        if self.remaining <= 0:
+            return 0
+        if len(view) > self.remaining:
+            view = view[: self.remaining]
+        try:
+            n = self.response.readinto(view)
+        except (TimeoutError, socket.timeout) as exc:
+            raise Stalled(str(exc)) from exc
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            raise Transient(f"connection lost: {exc or type(exc).__name__}") from exc
+        if n == 0:
+            raise Transient(f"the body ended {self.remaining} bytes early")
+        self.remaining -= n
+        return n
+
+    def abort(self) -> None:
+        """From another thread: make a blocked read return now."""
+        sock = self.conn.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.response.close()
+        with contextlib.suppress(Exception):
+            self.conn.close()
+
+
+def _proxy_for(url: httpx.URL) -> httpx.URL | None:
+    """The proxy the environment (``HTTPS_PROXY``, ``HTTP_PROXY``, ``NO_PROXY``) names for ``url``."""
+    proxies = urllib.request.getproxies_environment()
+    proxy = proxies.get(url.scheme)
+    if not proxy:
+        return None
+    netloc = url.host if url.port is None else f"{url.host}:{url.port}"
+    if urllib.request.proxy_bypass_environment(netloc, proxies):
+        return None
+    return httpx.URL(proxy if "://" in proxy else f"http://{proxy}")
+
+
+def _proxy_auth(proxy: httpx.URL) -> dict[str, str]:
+    if not proxy.username:
+        return {}
+    raw = f"{urllib.parse.unquote(proxy.username)}:{urllib.parse.unquote(proxy.password or '')}".encode()
+    return {"Proxy-Authorization": "Basic " + base64.b64encode(raw).decode()}
+
+
+def connect(url: httpx.URL, timeout: float, context: ssl.SSLContext) -> tuple[http.client.HTTPConnection, str,
+                                                                             dict[str, str]]:
+    """A connection for ``url`` (through a proxy if the environment names one), the request target, and extra
+    headers for the proxy."""
+    port = url.port or (443 if url.scheme == "https" else 80)
+    target = url.raw_path.decode("ascii")
+    proxy = _proxy_for(url)
+    if proxy is None:
+        if url.scheme == "https":
+            return http.client.HTTPSConnection(url.host, port, timeout=timeout, context=context), target, {}
+        return http.client.HTTPConnection(url.host, port, timeout=timeout), target, {}
+    proxy_port = proxy.port or (443 if proxy.scheme == "https" else 80)
+    if url.scheme == "https":
+        conn = http.client.HTTPSConnection(proxy.host, proxy_port, timeout=timeout, context=context)
+        conn.set_tunnel(url.host, port, headers=_proxy_auth(proxy))
+        return conn, target, {}
+    conn = http.client.HTTPConnection(proxy.host, proxy_port, timeout=timeout)
+    return conn, str(url), _proxy_auth(proxy)
+
+
+def _tls_error(client: RegistryClient, url: httpx.URL, exc: ssl.SSLError) -> Exception:
+    if "WRONG_VERSION_NUMBER" in str(exc).upper():
+        return InsecureRegistry(
+            f"{url.host} does not speak HTTPS (it looks like a plain-HTTP server); if you trust this registry, "
+            'use --insecure (API: "insecure": true)'
+        )
+    return RegistryUnreachable(f"TLS failed with {url.host}: {exc}")
+
+
+def _error_body(response: http.client.HTTPResponse) -> str:
+    try:
+        return error_text(response.read(MAX_ERROR_BYTES))
+    except (OSError, http.client.HTTPException):
+        return ""
+
+
+def open_range(client: RegistryClient, url: str | httpx.URL, digest: Digest, start: int, end: int, total: int,
+               *, timeout: float) -> RangeReader:
+    """``GET url`` for bytes ``start..end`` (inclusive) of a blob of ``total`` bytes, following redirects."""
+    current = client.policy.check(str(url))
+    answered = False
+    for _hop in range(MAX_REDIRECTS + 1):
+        conn, target, extra = connect(current, timeout, client.ssl)
+        headers = {
+            "User-Agent": client.user_agent,
+            "Accept-Encoding": "identity",
+            "Range": f"bytes={start}-{end}",
+            **extra,
+            **client.auth_headers(current),
+        }
+        try:
+            conn.request("GET", target, headers=headers)
+            response = conn.getresponse()
+        except (TimeoutError, socket.timeout) as exc:
+            conn.close()
+            raise Stalled(f"{current.host} did not answer in {timeout:.0f} s") from exc
+        except ssl.SSLError as exc:
+            conn.close()
+            raise _tls_error(client, current, exc) from exc
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise Transient(f"cannot reach {current.host}: {exc or type(exc).__name__}") from exc
+        status = response.status
+        on_registry = Origin.of(current) == client.origin
+        if status == 401 and on_registry and not answered:
+            response.read(MAX_ERROR_BYTES)
+            conn.close()
+            client.answer_challenge(response.headers, headers)
+            answered = True
+            continue
+        if status in (301, 302, 303, 307, 308):
+            location = response.headers.get("location")
+            conn.close()
+            if not location:
+                raise RegistryProtocolError(f"{current.host} sent a redirect without Location")
+            current = client.policy.check(str(current.join(location)))
+            continue
+        if status == 206:
+            try:
+                _check_content_range(response, current, start, end, total)
+            except RegistryProtocolError:
+                conn.close()
+                raise
+            return RangeReader(conn, response, end - start + 1, current)
+        if status == 200:
+            length = response.headers.get("content-length")
+            if start == 0 and end == total - 1 and (length is None or length == str(total)):
+                return RangeReader(conn, response, total, current)
+            conn.close()
+            raise RangeIgnored(f"{current.host} ignored the Range header")
+        detail = _error_body(response)
+        conn.close()
+        what = f"{current.host} answered {status} for blob {digest.short}" + (f": {detail}" if detail else "")
+        if status in (408, 425, 429) or status >= 500:
+            raise Transient(what)
+        if not on_registry:
+            raise Rejected(what)
+        if status == 401:
+            raise client.unauthorized()
+        if status == 404:
+            raise RegistryNotFound(f"registry {client.name.host} has no blob {digest} (the manifest names it)")
+        raise RegistryProtocolError(what)
+    raise RegistryProtocolError(f"{client.name.host} redirected more than {MAX_REDIRECTS} times")
+
+
+def _check_content_range(response: http.client.HTTPResponse, url: httpx.URL, start: int, end: int,
+                         total: int) -> None:
+    header = response.headers.get("content-range", "")
+    m = _CONTENT_RANGE.fullmatch(header.strip())
+    ok = bool(m) and int(m.group(1)) == start and int(m.group(2)) == end and m.group(3) in ("*", str(total))
+    length = response.headers.get("content-length")
+    if ok and length is not None:
+        ok = length.strip() == str(end - start + 1)
+    if not ok:
+        raise RegistryProtocolError(
+            f"{url.host} answered bytes {start}-{end} of a {total}-byte blob with "
+            f"Content-Range {header[:80]!r} and Content-Length {length!r}"
+        )

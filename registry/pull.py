@@ -1,0 +1,215 @@
+"""Pull a model from an OCI registry into the store, reporting Ollama's progress objects.
+
+    {"status": "pulling manifest"}
+    {"status": "pulling <12 hex>", "digest": "sha256:…", "total": N, "completed": M}   per blob, repeatedly
+    {"status": "verifying sha256 digest"}
+    {"status": "writing manifest"}
+    {"status": "removing unused layers"}     only when the tag's previous version left blobs unused
+    {"status": "success"}
+
+The manifest is fetched (and validated: every digest, the sizes, no duplicates) before the first object, so a
+missing model or a bad name is an HTTP error rather than a line in a stream. Blobs are fetched by
+:mod:`registry.download`, which verifies each one's SHA-256 before it enters ``blobs/``; the "verifying" step
+then only confirms that every blob is in place. The manifest is written last, byte for byte as the registry sent
+it, under the catalog lock: until then nothing of the pull is visible as a model.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from registry.digest import Digest
+from registry.download import Download, Downloads, Tuning
+from registry.errors import (
+    InsecureRegistry,
+    InsufficientSpace,
+    InvalidManifest,
+    RegistryProtocolError,
+    StoreError,
+)
+from registry.manifest import Layer, Manifest
+from registry.names import ModelName
+from registry.remote import RegistryClient
+from registry.store import Store, disk_bytes
+
+log = logging.getLogger(__name__)
+
+#: Kept free on the models filesystem beyond what a pull needs.
+SPACE_RESERVE = 64 * 1024 * 1024
+#: How long a failed pull waits for the downloads it cancels to save their progress before it reports.
+CANCEL_WAIT = 10.0
+
+
+def format_bytes(n: int) -> str:
+    for unit, scale in (("TB", 1000**4), ("GB", 1000**3), ("MB", 1000**2), ("KB", 1000)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def check_manifest(raw: bytes, name: ModelName) -> Manifest:
+    """Parse a registry's manifest with the checks a hostile registry calls for; clear errors otherwise."""
+    try:
+        manifest = Manifest.parse(raw)
+    except InvalidManifest as exc:
+        raise RegistryProtocolError(f"registry {name.host} sent an invalid manifest for {name.short()}: {exc}") \
+            from None
+    if not manifest.layers:
+        raise RegistryProtocolError(f"the manifest of {name.short()} has no layers")
+    seen: set[Digest] = set()
+    for layer in (*manifest.layers, manifest.config):
+        if layer.digest in seen:
+            raise RegistryProtocolError(f"the manifest of {name.short()} lists blob {layer.digest} more than once")
+        seen.add(layer.digest)
+    return manifest
+
+
+def progress(layer: Layer, completed: int) -> dict[str, Any]:
+    line: dict[str, Any] = {"status": f"pulling {layer.digest.short}", "digest": str(layer.digest),
+                            "total": layer.size}
+    if completed:
+        line["completed"] = completed
+    return line
+
+
+class Puller:
+    """Runs pulls against one store. ``lock`` is the catalog's: the manifest write and the removal of the old
+    version's blobs happen under it."""
+
+    def __init__(self, store: Store, downloads: Downloads, lock: threading.RLock, *, prune: bool,
+                 auth_files: Iterable[Path] = (), tuning: Tuning | None = None,
+                 on_bytes: Callable[[int], None] | None = None, interval: float = 0.1,
+                 free_space: Callable[[Path], int] | None = None) -> None:
+        self.store = store
+        self.downloads = downloads
+        self.lock = lock
+        self.prune = prune
+        self.auth_files = list(auth_files)
+        self.tuning = tuning
+        self.on_bytes = on_bytes
+        self.interval = interval
+        self.free_space = free_space or (lambda path: shutil.disk_usage(path).free)
+
+    def run(self, raw_name: str, *, insecure: bool = False) -> Iterator[dict[str, Any]]:
+        """Validate the name now; the returned iterator fetches the manifest on its first step."""
+        name = ModelName.parse(raw_name)
+        if name.scheme == "http" and not insecure:
+            raise InsecureRegistry("insecure protocol http")
+        return self._pull(name, insecure)
+
+    def _pull(self, name: ModelName, insecure: bool) -> Iterator[dict[str, Any]]:
+        started = time.monotonic()
+        remote = RegistryClient(name, insecure=insecure, auth_files=self.auth_files)
+        joined: list[Download] = []
+        pinned: set[Digest] = set()
+        failed = False
+        try:
+            manifest = check_manifest(remote.get_manifest(), name)
+            yield {"status": "pulling manifest"}
+            blobs = [*manifest.layers, manifest.config]
+            pinned = {b.digest for b in blobs}
+            self.downloads.pin(pinned)
+            missing = [b for b in blobs if not self.store.has_blob(b.digest)]
+            self._check_space(name, missing)
+            active: dict[Digest, Download] = {}
+            for layer in missing:
+                d = self.downloads.join(layer.digest, lambda layer=layer: self._download(remote, layer))
+                joined.append(d)
+                active[layer.digest] = d
+            yield from self._progress(blobs, active)
+            for d in active.values():
+                if d.error is not None:
+                    raise d.error
+            yield {"status": "verifying sha256 digest"}
+            absent = [str(b.digest) for b in blobs if not self.store.has_blob(b.digest)]
+            if absent:
+                raise StoreError(f"blobs vanished from the store during the pull: {', '.join(absent)}")
+            yield {"status": "writing manifest"}
+            removed = self._write(name, manifest)
+            if removed:
+                yield {"status": "removing unused layers"}
+            log.info("pulled model=%s layers=%d size=%d fetched=%d seconds=%.2f", name.short(),
+                     len(manifest.layers), manifest.size, sum(d.fetched for d in active.values()),
+                     time.monotonic() - started)
+            yield {"status": "success"}
+        except GeneratorExit:  # the client went away: leave at once, the downloads wind down by themselves
+            raise
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            for d in joined:
+                self.downloads.leave(d)
+            if failed:  # report the error once the downloads this pull alone needed have stopped
+                for d in joined:
+                    if d.waiters <= 0:
+                        d.wait(CANCEL_WAIT)
+            self.downloads.unpin(pinned)
+            remote.release()
+
+    def _download(self, remote: RegistryClient, layer: Layer) -> Download:
+        return Download(self.store, layer.digest, layer.size, remote, tuning=self.tuning, on_bytes=self.on_bytes)
+
+    def _check_space(self, name: ModelName, missing: list[Layer]) -> None:
+        need = 0
+        for layer in missing:
+            try:
+                have = disk_bytes(self.store.partial_path(layer.digest).stat())
+            except FileNotFoundError:
+                have = 0
+            need += max(0, layer.size - have)
+        if not need:
+            return
+        free = self.free_space(self.store.blobs_dir)
+        if need + SPACE_RESERVE > free:
+            raise InsufficientSpace(
+                f"not enough disk space to pull {name.short()}: it needs {format_bytes(need)} more and "
+                f"{format_bytes(free)} is free in {self.store.blobs_dir}; free some space (corral prune removes "
+                "unused blobs) or set CORRAL_MODELS to a larger disk"
+            )
+
+    def _progress(self, blobs: list[Layer], active: dict[Digest, Download]) -> Iterator[dict[str, Any]]:
+        """A line per blob at once (complete for blobs already here), then a line whenever one has moved on."""
+        shown: dict[Digest, int] = {}
+        for layer in blobs:
+            d = active.get(layer.digest)
+            shown[layer.digest] = layer.size if d is None else d.completed
+            yield progress(layer, shown[layer.digest])
+        while True:
+            running = [d for d in active.values() if not d.finished.is_set()]
+            if running:
+                running[0].finished.wait(self.interval)
+            for layer in blobs:
+                d = active.get(layer.digest)
+                if d is None:
+                    continue
+                done = layer.size if d.finished.is_set() and d.error is None else d.completed
+                if done != shown[layer.digest]:
+                    shown[layer.digest] = done
+                    yield progress(layer, done)
+            if not running:
+                return
+            if any(d.error is not None for d in active.values()):
+                return
+
+    def _write(self, name: ModelName, manifest: Manifest) -> list[Digest]:
+        """Write the manifest (atomically, last); remove the blobs only the tag's old version used."""
+        with self.lock:
+            target = self.store.canonical(name)
+            old: set[Digest] = set()
+            if self.store.manifest_path(target).is_file():
+                try:
+                    old = self.store.read_manifest(target).blobs()
+                except (InvalidManifest, StoreError):
+                    old = set()
+            self.store.write_manifest(target, manifest)
+            if not self.prune:
+                return []
+            return self.store.remove_unreferenced(old - manifest.blobs())
+

@@ -1,0 +1,552 @@
+"""A client for one repository on an OCI distribution (v2) registry: manifests, blob checks, uploads, auth.
+
+Used by pull and push (``registry/pull.py``, ``registry/push.py``); blob *downloads* go through
+``registry/fetch.py``, which shares this module's auth and URL rules. Everything a registry says is treated as
+hostile:
+
+* Answers are read with size caps (manifests 4 MiB, tokens 1 MiB, error bodies 64 KiB) and ``Accept-Encoding:
+  identity``, so neither a huge body nor a compression bomb can exhaust memory.
+* Redirects are followed by hand, only to ``http``/``https`` (``http`` only with ``insecure``), never from a
+  public registry to a loopback, private or link-local address, and never to link-local addresses at all.
+* Credentials (Basic, or a Bearer token) are sent only to the registry's own origin (scheme, host and port):
+  never after a redirect to another host.
+* A Bearer challenge's token realm must be on the registry's own host; otherwise no request is sent to it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import ipaddress
+import json
+import logging
+import platform
+import socket
+import ssl
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from registry.credentials import Credentials, lookup
+from registry.digest import Digest
+from registry.errors import (
+    CorralError,
+    InsecureRegistry,
+    RegistryError,
+    RegistryNotFound,
+    RegistryProtocolError,
+    RegistryUnauthorized,
+    RegistryUnreachable,
+)
+from registry.manifest import MANIFEST_MEDIA_TYPE, MAX_MANIFEST_BYTES
+from registry.names import ModelName
+
+log = logging.getLogger(__name__)
+
+OCI_MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"
+INDEX_MEDIA_TYPES = (
+    "application/vnd.oci.image.index.v1+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json",
+)
+MAX_TOKEN_BYTES = 1024 * 1024
+MAX_ERROR_BYTES = 64 * 1024
+MAX_REDIRECTS = 5
+MAX_TOKEN_CHARS = 64 * 1024
+CONNECT_TIMEOUT = 15.0
+READ_TIMEOUT = 60.0
+
+Resolver = Callable[[str], list[str]]
+
+
+def user_agent() -> str:
+    try:
+        version = importlib.metadata.version("corral")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was not installed
+        version = "0.0.0"
+    return f"corral/{version} ({platform.machine()} {platform.system().lower()}) Python/{platform.python_version()}"
+
+
+def ssl_context() -> ssl.SSLContext:
+    """The TLS context for every registry connection (httpx's CA bundle, so both clients trust the same CAs)."""
+    return httpx.create_ssl_context()
+
+
+# -- URL rules ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Origin:
+    scheme: str
+    host: str  # lower-case hostname, no port
+    port: int
+
+    @classmethod
+    def of(cls, url: str | httpx.URL) -> Origin:
+        u = httpx.URL(str(url))
+        port = u.port or (443 if u.scheme == "https" else 80)
+        return cls(u.scheme, (u.host or "").lower(), port)
+
+
+def _resolve(host: str) -> list[str]:
+    try:
+        return [info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)]
+    except (OSError, UnicodeError):
+        return []
+
+
+def _addresses(host: str, resolve: Resolver) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    h = host.strip("[]").lower()
+    try:
+        return [ipaddress.ip_address(h)]
+    except ValueError:
+        pass
+    out = []
+    for addr in resolve(h):
+        try:
+            out.append(ipaddress.ip_address(addr.split("%")[0]))
+        except ValueError:
+            continue
+    return out
+
+
+def _internal(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    return bool(ip.is_loopback or ip.is_private or ip.is_link_local or ip.is_unspecified or ip.is_multicast
+                or ip.is_reserved)
+
+
+@dataclass
+class URLPolicy:
+    """Where a registry may send us: the checks applied to every redirect target and upload location."""
+
+    registry: Origin
+    insecure: bool
+    resolve: Resolver = field(default=_resolve)
+    _registry_internal: bool | None = None
+    _registry_link_local: bool | None = None
+
+    def _classify_registry(self) -> None:
+        if self._registry_internal is None:
+            addrs = _addresses(self.registry.host, self.resolve)
+            local_name = self.registry.host == "localhost" or self.registry.host.endswith(".localhost")
+            self._registry_internal = local_name or any(_internal(a) for a in addrs)
+            self._registry_link_local = any(a.is_link_local for a in addrs)
+
+    def check(self, url: str) -> httpx.URL:
+        """The parsed URL, or RegistryProtocolError saying why the registry may not send us there."""
+        try:
+            u = httpx.URL(url)
+        except (httpx.InvalidURL, ValueError) as exc:
+            raise RegistryProtocolError(f"registry {self.registry.host} sent an invalid URL: {url[:200]!r}") from exc
+        if u.scheme not in ("http", "https") or not u.host:
+            raise RegistryProtocolError(
+                f"registry {self.registry.host} redirected to {u.scheme or 'a relative'} URL; only http(s) is allowed"
+            )
+        if u.scheme == "http" and not self.insecure:
+            raise InsecureRegistry(
+                f"registry {self.registry.host} redirected to plain HTTP ({u.host}); use --insecure only if you "
+                "trust this registry"
+            )
+        target = Origin.of(u)
+        if target.host == self.registry.host:
+            return u
+        self._classify_registry()
+        addrs = _addresses(target.host, self.resolve)
+        if any(a.is_link_local for a in addrs) and not self._registry_link_local:
+            raise RegistryProtocolError(
+                f"registry {self.registry.host} redirected to a link-local address ({target.host}); refused"
+            )
+        local_name = target.host == "localhost" or target.host.endswith(".localhost")
+        if (local_name or any(_internal(a) for a in addrs)) and not self._registry_internal:
+            raise RegistryProtocolError(
+                f"registry {self.registry.host} redirected to an internal address ({target.host}); refused"
+            )
+        return u
+
+
+# -- challenges and tokens ---------------------------------------------------------------------------------------
+def parse_challenge(header: str) -> tuple[str, dict[str, str]]:
+    """``Bearer realm="…",service="…",scope="…"`` -> ("bearer", {realm, service, scope}).
+
+    Values may be quoted (with backslash escapes) or bare tokens; unknown parameters are kept.
+    """
+    header = header.strip()
+    scheme, _, rest = header.partition(" ")
+    params: dict[str, str] = {}
+    i, n = 0, len(rest)
+    while i < n:
+        while i < n and rest[i] in " ,":
+            i += 1
+        eq = rest.find("=", i)
+        if eq < 0:
+            break
+        key = rest[i:eq].strip().lower()
+        i = eq + 1
+        if i < n and rest[i] == '"':
+            i += 1
+            value = []
+            while i < n and rest[i] != '"':
+                if rest[i] == "\\" and i + 1 < n:
+                    i += 1
+                value.append(rest[i])
+                i += 1
+            i += 1
+            params[key] = "".join(value)
+        else:
+            end = rest.find(",", i)
+            end = n if end < 0 else end
+            params[key] = rest[i:end].strip()
+            i = end
+    return scheme.lower(), params
+
+
+def read_capped(response: httpx.Response, cap: int, what: str, host: str) -> bytes:
+    """The body of a streamed response, refusing more than ``cap`` bytes (decoded)."""
+    declared = response.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > cap:
+        raise RegistryProtocolError(f"registry {host} sent a {what} of {declared} bytes, more than the {cap} allowed")
+    out = bytearray()
+    for chunk in response.iter_bytes():
+        out += chunk
+        if len(out) > cap:
+            raise RegistryProtocolError(f"registry {host} sent a {what} larger than the {cap} bytes allowed")
+    return bytes(out)
+
+
+def error_text(body: bytes) -> str:
+    """The registry's error in a line: OCI ``{"errors":[{"code","message"}]}`` or the start of the body."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        doc = None
+    if isinstance(doc, dict) and isinstance(doc.get("errors"), list):
+        parts = []
+        for e in doc["errors"][:3]:
+            if isinstance(e, dict):
+                code, message = str(e.get("code", ""))[:100], str(e.get("message", ""))[:300]
+                parts.append(f"{code}: {message}" if code and message else code or message)
+        if parts:
+            return "; ".join(parts)
+    text = body.decode("utf-8", errors="replace").strip()
+    return " ".join(text.split())[:300]
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: httpx.Headers
+    body: bytes
+    url: httpx.URL
+
+
+# -- the client --------------------------------------------------------------------------------------------------
+class RegistryClient:
+    """One repository (``name``'s host, namespace and model) on one registry, with its credentials.
+
+    Thread-safe: pull's part downloads share it. ``retain``/``release`` count users (a shared download may
+    outlive the pull that started it); the HTTP client closes when the last user releases it.
+    """
+
+    def __init__(self, name: ModelName, *, insecure: bool = False, auth_files: Iterable[Path] = (),
+                 push: bool = False, credentials: Credentials | None = None, resolve: Resolver | None = None,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        if name.scheme == "http" and not insecure:
+            raise InsecureRegistry("insecure protocol http")
+        self.name = name
+        self.insecure = insecure
+        self.scheme = "http" if insecure or name.scheme == "http" else "https"
+        self.base = f"{self.scheme}://{name.host}"
+        self.origin = Origin.of(self.base)
+        self.repository = name.repository()
+        self.policy = URLPolicy(self.origin, insecure, resolve or _resolve)
+        self.actions = "pull,push" if push else "pull"
+        self.auth_files = list(auth_files)
+        self._credentials: Credentials | None = credentials
+        self._credentials_loaded = credentials is not None
+        self.scopes: list[str] | None = None  # None: the repository's; [] for a login check (no scope)
+        self._token: str | None = None
+        self._basic = False
+        self._auth_lock = threading.Lock()
+        self._users = 1
+        self._users_lock = threading.Lock()
+        self.ssl = ssl_context()
+        self.user_agent = user_agent()
+        self.http = httpx.Client(
+            verify=self.ssl,
+            follow_redirects=False,
+            timeout=httpx.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT),
+            headers={"User-Agent": self.user_agent, "Accept-Encoding": "identity"},
+            limits=httpx.Limits(max_connections=16, max_keepalive_connections=8),
+            transport=transport,
+        )
+
+    # -- lifetime ------------------------------------------------------------------------------------------------
+    def retain(self) -> RegistryClient:
+        with self._users_lock:
+            self._users += 1
+        return self
+
+    def release(self) -> None:
+        with self._users_lock:
+            self._users -= 1
+            last = self._users == 0
+        if last:
+            self.http.close()
+
+    # -- URLs ----------------------------------------------------------------------------------------------------
+    def url(self, path: str) -> str:
+        return f"{self.base}/v2/{self.repository}/{path}"
+
+    def blob_url(self, digest: Digest) -> str:
+        return self.url(f"blobs/{digest}")
+
+    def describe(self) -> str:
+        return f"{self.name.host}/{self.repository}"
+
+    # -- auth ----------------------------------------------------------------------------------------------------
+    @property
+    def credentials(self) -> Credentials | None:
+        if not self._credentials_loaded:
+            self._credentials = lookup(self.name.host, self.auth_files)
+            self._credentials_loaded = True
+        return self._credentials
+
+    def auth_headers(self, url: str | httpx.URL) -> dict[str, str]:
+        """``Authorization`` for ``url`` if (and only if) it is on the registry's own origin."""
+        if Origin.of(url) != self.origin:
+            return {}
+        with self._auth_lock:
+            if self._token:
+                return {"Authorization": f"Bearer {self._token}"}
+            if self._basic and self.credentials:
+                return {"Authorization": self.credentials.basic()}
+        return {}
+
+    def answer_challenge(self, headers: Mapping[str, str], sent: Mapping[str, str]) -> None:
+        """Handle a 401's ``WWW-Authenticate``: fetch a Bearer token or switch to Basic, or raise unauthorized.
+
+        ``sent`` is what the failed request carried: a challenge repeated after we already answered it means the
+        registry refused us.
+        """
+        header = headers.get("www-authenticate", "")
+        scheme, params = parse_challenge(header) if header else ("", {})
+        with self._auth_lock:
+            tried = sent.get("Authorization", "")
+            if scheme == "bearer":
+                if tried.startswith("Bearer ") and tried == f"Bearer {self._token}":
+                    raise self.unauthorized()
+                self._token = self._fetch_token(params)
+            elif scheme == "basic":
+                if self.credentials is None or tried.startswith("Basic "):
+                    raise self.unauthorized()
+                self._basic = True
+            else:
+                raise self.unauthorized(f"registry {self.name.host} asked for an unsupported authentication "
+                                        f"scheme {scheme or '(none)'!r}")
+
+    def unauthorized(self, detail: str | None = None) -> RegistryUnauthorized:
+        if detail:
+            return RegistryUnauthorized(f"unauthorized: {detail}")
+        if self.credentials is None:
+            return RegistryUnauthorized(
+                f"unauthorized: access denied to {self.describe()}; if it needs a login, run "
+                f'"corral login {self.name.host}"'
+            )
+        return RegistryUnauthorized(
+            f"unauthorized: access denied to {self.describe()} for user {self.credentials.username!r}"
+        )
+
+    def _fetch_token(self, params: dict[str, str]) -> str:
+        realm = params.get("realm", "")
+        try:
+            realm_url = httpx.URL(realm)
+        except (httpx.InvalidURL, ValueError):
+            raise RegistryProtocolError(f"registry {self.name.host} sent an invalid token realm {realm[:200]!r}") \
+                from None
+        if realm_url.scheme not in ("http", "https") or (realm_url.host or "").lower() != self.origin.host:
+            raise RegistryProtocolError(
+                f"registry {self.name.host} asked for a token from another host ({realm_url.host or realm[:100]!r}); "
+                "refused: credentials are only sent to the registry's own host"
+            )
+        if realm_url.scheme == "http" and not self.insecure:
+            raise InsecureRegistry(f"registry {self.name.host} has a plain-HTTP token realm; use --insecure only if "
+                                   "you trust this registry")
+        query: list[tuple[str, str]] = []
+        if params.get("service"):
+            query.append(("service", params["service"]))
+        default = [f"repository:{self.repository}:{self.actions}"] if self.scopes is None else self.scopes
+        scopes = params.get("scope", "").split() or default
+        query += [("scope", s) for s in scopes]
+        url = realm_url.copy_merge_params(query)
+        headers = {"Accept": "application/json"}
+        if self.credentials is not None:
+            headers["Authorization"] = self.credentials.basic()
+        try:
+            with self.http.stream("GET", url, headers=headers) as r:
+                body = read_capped(r, MAX_TOKEN_BYTES, "token response", self.name.host)
+                status = r.status_code
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc) from exc
+        if status in (401, 403):
+            raise self.unauthorized()
+        if status != 200:
+            raise RegistryError(f"registry {self.name.host} token request failed: {status} {error_text(body)}")
+        try:
+            doc = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            doc = None
+        token = (doc.get("token") or doc.get("access_token")) if isinstance(doc, dict) else None
+        if not isinstance(token, str) or not token or len(token) > MAX_TOKEN_CHARS or \
+                any(c < "!" or c > "~" for c in token):
+            raise RegistryProtocolError(f"registry {self.name.host} sent a token response without a usable token")
+        return token
+
+    # -- requests ------------------------------------------------------------------------------------------------
+    def _transport_error(self, exc: Exception) -> CorralError:
+        text = str(exc)
+        if self.scheme == "https" and "WRONG_VERSION_NUMBER" in text.upper().replace(" ", "_"):
+            return InsecureRegistry(
+                f"registry {self.name.host} does not speak HTTPS (it looks like a plain-HTTP registry); if you "
+                'trust it, use --insecure (API: "insecure": true)'
+            )
+        if isinstance(exc, httpx.TimeoutException):
+            return RegistryUnreachable(f"registry {self.name.host} did not answer in time")
+        return RegistryUnreachable(f"cannot reach registry {self.name.host}: {text or type(exc).__name__}")
+
+    def request(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
+                content: bytes | Callable[[], Any] | None = None, cap: int = MAX_ERROR_BYTES,
+                what: str = "response", follow: bool = True) -> Reply:
+        """One request with auth, hand-checked redirects (GET/HEAD) and a capped body.
+
+        ``content`` may be a callable returning a fresh body (a retry after a 401 must resend it).
+        """
+        current = self.policy.check(url)
+        answered = False
+        for _hop in range(MAX_REDIRECTS + 1):
+            sent = {**(headers or {}), **self.auth_headers(current)}
+            body = content() if callable(content) else content
+            try:
+                with self.http.stream(method, current, headers=sent, content=body) as r:
+                    if r.status_code == 401 and Origin.of(current) == self.origin and not answered:
+                        r.close()
+                        self.answer_challenge(r.headers, sent)
+                        answered = True
+                        continue
+                    if follow and r.status_code in (301, 302, 303, 307, 308) and method in ("GET", "HEAD"):
+                        location = r.headers.get("location")
+                        if not location:
+                            raise RegistryProtocolError(f"registry {self.name.host} sent a redirect without Location")
+                        current = self.policy.check(str(current.join(location)))
+                        continue
+                    limit = cap if r.status_code < 400 else MAX_ERROR_BYTES
+                    data = b"" if method == "HEAD" else read_capped(r, limit, what, self.name.host)
+                    return Reply(r.status_code, r.headers, data, current)
+            except httpx.HTTPError as exc:
+                raise self._transport_error(exc) from exc
+        raise RegistryProtocolError(f"registry {self.name.host} redirected more than {MAX_REDIRECTS} times")
+
+    def fail(self, reply: Reply, doing: str) -> CorralError:
+        """The error for an unexpected answer while ``doing`` something."""
+        if reply.status == 401:
+            return self.unauthorized()
+        if reply.status == 403:
+            return RegistryUnauthorized(f"denied: {doing} on {self.describe()}: {error_text(reply.body)}")
+        if reply.status == 404:
+            return RegistryNotFound(f"{doing}: file does not exist")
+        detail = error_text(reply.body)
+        return RegistryError(f"{doing}: registry {self.name.host} answered {reply.status}"
+                             + (f": {detail}" if detail else ""))
+
+    # -- manifests -----------------------------------------------------------------------------------------------
+    def get_manifest(self) -> bytes:
+        """The manifest for the name's tag, byte for byte (checked against ``Docker-Content-Digest``)."""
+        accept = f"{MANIFEST_MEDIA_TYPE}, {OCI_MANIFEST_MEDIA_TYPE}"
+        reply = self.request("GET", self.url(f"manifests/{self.name.tag}"), headers={"Accept": accept},
+                             cap=MAX_MANIFEST_BYTES, what="manifest")
+        if reply.status != 200:
+            raise self.fail(reply, "pull model manifest")
+        ctype = reply.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype in INDEX_MEDIA_TYPES:
+            raise RegistryProtocolError(
+                f"{self.name.short()} is an image index (several platforms), not a model manifest"
+            )
+        claimed = reply.headers.get("docker-content-digest", "")
+        if claimed.startswith("sha256:") and claimed != str(Digest.of_bytes(reply.body)):
+            raise RegistryProtocolError(
+                f"registry {self.name.host} sent a manifest whose bytes do not match its Docker-Content-Digest"
+            )
+        return reply.body
+
+    def put_manifest(self, raw: bytes, media_type: str) -> None:
+        reply = self.request("PUT", self.url(f"manifests/{self.name.tag}"), content=raw,
+                             headers={"Content-Type": media_type}, follow=False)
+        if reply.status not in (200, 201, 202):
+            raise self.fail(reply, "push manifest")
+
+    # -- blobs (push side) ---------------------------------------------------------------------------------------
+    def has_blob(self, digest: Digest) -> bool:
+        reply = self.request("HEAD", self.blob_url(digest))
+        if reply.status == 200:
+            return True
+        if reply.status == 404:
+            return False
+        raise self.fail(reply, f"check blob {digest.short}")
+
+    def start_upload(self) -> httpx.URL:
+        reply = self.request("POST", self.url("blobs/uploads/"), content=b"", follow=False)
+        if reply.status not in (201, 202):
+            raise self.fail(reply, "start blob upload")
+        return self.upload_location(reply)
+
+    def upload_location(self, reply: Reply) -> httpx.URL:
+        location = reply.headers.get("docker-upload-location") or reply.headers.get("location")
+        if not location:
+            raise RegistryProtocolError(f"registry {self.name.host} gave no upload location")
+        return self.policy.check(str(reply.url.join(location)))
+
+    def upload_offset(self, location: httpx.URL) -> int:
+        """How many bytes of an upload the registry holds (``GET`` on the upload URL, ``Range: 0-N``)."""
+        reply = self.request("GET", str(location), follow=False)
+        if reply.status not in (200, 204):
+            raise self.fail(reply, "check upload")
+        rng = reply.headers.get("range", "")
+        if not rng:
+            return 0
+        try:
+            return int(rng.split("-", 1)[1]) + 1
+        except (IndexError, ValueError):
+            raise RegistryProtocolError(f"registry {self.name.host} sent an invalid upload Range {rng[:50]!r}") \
+                from None
+
+
+def verify_login(host: str, credentials: Credentials, *, insecure: bool = False,
+                 transport: httpx.BaseTransport | None = None) -> None:
+    """Check ``credentials`` against the registry at ``host`` (``GET /v2/`` through its auth challenge), as
+    ``docker login`` does; raises :class:`RegistryUnauthorized` if the registry refuses them."""
+    name = ModelName.parse(f"{host}/corral/login")
+    client = RegistryClient(name, insecure=insecure, credentials=credentials, transport=transport)
+    client.scopes = []
+    try:
+        reply = client.request("GET", f"{client.base}/v2/")
+        if reply.status in (401, 403):
+            raise client.unauthorized()
+        if reply.status != 200:
+            raise client.fail(reply, "log in")
+    finally:
+        client.release()
+
+
+def backoff(attempt: int, base: float, cap: float = 30.0) -> float:
+    """Seconds to wait before retry number ``attempt`` (1, 2, 4 … times ``base``, at most ``cap``)."""
+    return float(min(cap, base * (2 ** max(0, attempt - 1))))
+
+
+def wait_or_cancel(seconds: float, cancelled: threading.Event) -> bool:
+    """Sleep unless cancelled; True if cancelled."""
+    return cancelled.wait(seconds) if seconds > 0 else cancelled.is_set()
+
+
+def monotonic() -> float:
+    return time.monotonic()
