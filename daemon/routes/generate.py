@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -20,7 +21,7 @@ from daemon.bodies import read_model
 from daemon.errors import error_response
 from daemon.observe import note
 from daemon.inference import Inference, ModelContext, keep_alive_value, now_rfc3339
-from daemon.runners.base import Done, GenerateRequest, Token
+from daemon.runners.base import Done, GenerateRequest, SampleParams, Token
 from daemon.scheduler import Lease
 from daemon.schemas import ChatMessage, ChatRequestBody, GenerateRequestBody, InferenceRequest
 from registry.errors import CorralError, InvalidRequest, ModelNotFound
@@ -44,10 +45,12 @@ async def respond(chunks: AsyncIterator[dict[str, Any]], *, stream: bool, text_k
         parts: list[str] = []
         thinking: list[str] = []
         tool_calls: list[Any] = []
+        logprobs: list[Any] = []
         last: dict[str, Any] = {}
         try:
             async for chunk in chunks:
                 last = chunk
+                logprobs += chunk.get("logprobs") or []
                 holder = chunk.get("message", chunk) if text_key == "message" else chunk
                 parts.append(holder.get("content" if text_key == "message" else "response", ""))
                 if holder.get("thinking"):
@@ -56,6 +59,8 @@ async def respond(chunks: AsyncIterator[dict[str, Any]], *, stream: bool, text_k
         except CorralError as exc:
             return error_response(exc)
         final = dict(last)
+        if logprobs:
+            final["logprobs"] = logprobs
         if text_key == "message":
             msg = {"role": "assistant", "content": "".join(parts)}
             if thinking:
@@ -151,21 +156,19 @@ def _model_name_or_error(raw: str, *, empty_is_404: bool) -> None:
         raise InvalidRequest("model is required")
 
 
-@router.post("/api/generate")
-async def generate(request: Request) -> Response:
-    started = time.monotonic()
-    req = await read_model(request, GenerateRequestBody)
+async def run_generate(inf: Inference, req: GenerateRequestBody, started: float,
+                       ) -> tuple[dict[str, Any] | None, AsyncIterator[dict[str, Any]] | None]:
+    """Check ``req`` and start it: ``(final, None)`` for a load or unload, else ``(None, chunks)`` (Ollama's
+    generate objects, the last with the metrics). Errors before the first chunk raise."""
     _check_common(req)
     _model_name_or_error(req.model_name, empty_is_404=True)
-    inf = inference(request)
     ctx = await run_in_threadpool(inf.model, req.model_name)
     keep_alive = keep_alive_value(req.keep_alive)
     base = {"model": req.model_name}
 
     if req.prompt == "" and not req.suffix and keep_alive == 0 and req.keep_alive is not None:
         await inf.scheduler.stop(ctx.ref.key)
-        return JSONResponse({**base, "created_at": now_rfc3339(), "response": "", "done": True,
-                             "done_reason": "unload"})
+        return {**base, "created_at": now_rfc3339(), "response": "", "done": True, "done_reason": "unload"}, None
     if req.raw and (req.template or req.system or req.context):
         raise InvalidRequest("raw mode does not support template, system, or context")
     if "completion" not in ctx.capabilities:
@@ -175,11 +178,11 @@ async def generate(request: Request) -> Response:
     _check_think(ctx, req.think)
     _check_images(ctx, req.images)
     opts = inf.options(ctx, req.options)
-    params = inf.sample_params(opts, req.format)
+    params = _with_logprobs(inf.sample_params(opts, req.format), req)
 
     if req.prompt == "" and not req.suffix:
         await _load_only(inf, ctx, keep_alive, opts)
-        return JSONResponse({**base, "created_at": now_rfc3339(), "response": "", "done": True, "done_reason": "load"})
+        return {**base, "created_at": now_rfc3339(), "response": "", "done": True, "done_reason": "load"}, None
 
     if req.raw:
         text = req.prompt
@@ -200,7 +203,10 @@ async def generate(request: Request) -> Response:
     async def chunks() -> AsyncIterator[dict[str, Any]]:
         async for event in _stream_tokens(lease, greq):
             if isinstance(event, Token):
-                yield {**base, "created_at": now_rfc3339(), "response": event.text, "done": False}
+                chunk = {**base, "created_at": now_rfc3339(), "response": event.text, "done": False}
+                if event.logprobs is not None:
+                    chunk["logprobs"] = [event.logprobs]
+                yield chunk
             else:
                 final = {**base, "created_at": now_rfc3339(), "response": "", "done": True,
                          "done_reason": event.done_reason}
@@ -209,7 +215,22 @@ async def generate(request: Request) -> Response:
                 final.update(_metrics(event, started, lease))
                 yield final
 
-    return await respond(chunks(), stream=req.stream, text_key="response")
+    return None, chunks()
+
+
+def _with_logprobs(params: SampleParams, req: InferenceRequest) -> SampleParams:
+    return dataclasses.replace(params, logprobs=req.top_logprobs) if req.logprobs else params
+
+
+@router.post("/api/generate")
+async def generate(request: Request) -> Response:
+    started = time.monotonic()
+    req = await read_model(request, GenerateRequestBody)
+    final, chunks = await run_generate(inference(request), req, started)
+    if final is not None:
+        return JSONResponse(final)
+    assert chunks is not None
+    return await respond(chunks, stream=req.stream, text_key="response")
 
 
 # -- chat ---------------------------------------------------------------------------------------------------------
@@ -294,13 +315,12 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     return remainder, calls
 
 
-@router.post("/api/chat")
-async def chat(request: Request) -> Response:
-    started = time.monotonic()
-    req = await read_model(request, ChatRequestBody)
+async def run_chat(inf: Inference, req: ChatRequestBody, started: float,
+                   ) -> tuple[dict[str, Any] | None, AsyncIterator[dict[str, Any]] | None]:
+    """Check ``req`` and start it: ``(final, None)`` for a load or unload, else ``(None, chunks)`` (Ollama's
+    chat objects, the last with the metrics). Errors before the first chunk raise."""
     _check_common(req)
     _model_name_or_error(req.model_name, empty_is_404=False)
-    inf = inference(request)
     ctx = await run_in_threadpool(inf.model, req.model_name)
     keep_alive = keep_alive_value(req.keep_alive)
     base = {"model": req.model_name}
@@ -308,8 +328,8 @@ async def chat(request: Request) -> Response:
 
     if not req.messages and keep_alive == 0 and req.keep_alive is not None:
         await inf.scheduler.stop(ctx.ref.key)
-        return JSONResponse({**base, "created_at": now_rfc3339(), "message": empty_message, "done": True,
-                             "done_reason": "unload"})
+        return {**base, "created_at": now_rfc3339(), "message": empty_message, "done": True,
+                "done_reason": "unload"}, None
     if "completion" not in ctx.capabilities:
         raise InvalidRequest(f'"{req.model_name}" does not support chat')
     if req.tools and "tools" not in ctx.capabilities:
@@ -318,13 +338,13 @@ async def chat(request: Request) -> Response:
     request_messages = [_message_dict(m) for m in req.messages]
     _check_images(ctx, [img for m in request_messages for img in m.get("images", [])])
     opts = inf.options(ctx, req.options)
-    params = inf.sample_params(opts, req.format)
+    params = _with_logprobs(inf.sample_params(opts, req.format), req)
     spec = inf.load_spec(ctx, opts)
 
     if not req.messages:
         await _load_only(inf, ctx, keep_alive, opts)
-        return JSONResponse({**base, "created_at": now_rfc3339(), "message": empty_message, "done": True,
-                             "done_reason": "load"})
+        return {**base, "created_at": now_rfc3339(), "message": empty_message, "done": True,
+                "done_reason": "load"}, None
 
     lease = await inf.acquire(ctx, spec, keep_alive)
     try:
@@ -340,23 +360,54 @@ async def chat(request: Request) -> Response:
 
     async def chunks() -> AsyncIterator[dict[str, Any]]:
         held: list[str] = []
+        held_logprobs: list[dict[str, Any]] = []
         async for event in _stream_tokens(lease, greq):
             if isinstance(event, Token):
                 if buffer_for_tools:
                     held.append(event.text)
+                    if event.logprobs is not None:
+                        held_logprobs.append(event.logprobs)
                     continue
-                yield {**base, "created_at": now_rfc3339(), "message": {"role": "assistant", "content": event.text},
-                       "done": False}
+                chunk = {**base, "created_at": now_rfc3339(),
+                         "message": {"role": "assistant", "content": event.text}, "done": False}
+                if event.logprobs is not None:
+                    chunk["logprobs"] = [event.logprobs]
+                yield chunk
                 continue
             if buffer_for_tools:
                 content, calls = parse_tool_calls("".join(held))
                 message: dict[str, Any] = {"role": "assistant", "content": content}
                 if calls:
                     message["tool_calls"] = calls
-                yield {**base, "created_at": now_rfc3339(), "message": message, "done": False}
+                chunk = {**base, "created_at": now_rfc3339(), "message": message, "done": False}
+                if held_logprobs:
+                    chunk["logprobs"] = held_logprobs
+                yield chunk
             final = {**base, "created_at": now_rfc3339(), "message": dict(empty_message), "done": True,
                      "done_reason": event.done_reason}
             final.update(_metrics(event, started, lease))
+            if event.stop_sequence is not None:
+                final["_stop_sequence"] = event.stop_sequence  # for /v1/messages; removed before Ollama's wire
             yield final
 
-    return await respond(chunks(), stream=req.stream, text_key="message")
+    return None, chunks()
+
+
+@router.post("/api/chat")
+async def chat(request: Request) -> Response:
+    started = time.monotonic()
+    req = await read_model(request, ChatRequestBody)
+    final, chunks = await run_chat(inference(request), req, started)
+    if final is not None:
+        return JSONResponse(final)
+    assert chunks is not None
+    return await respond(_ollama_wire(chunks), stream=req.stream, text_key="message")
+
+
+async def _ollama_wire(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    try:
+        async for chunk in chunks:
+            chunk.pop("_stop_sequence", None)
+            yield chunk
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]

@@ -64,6 +64,7 @@ class SampleParams:
     mirostat_eta: float = 0.1
     grammar: str | None = None  # GBNF, for format="json"
     json_schema: str | None = None  # JSON schema text (format=<schema>); the runner turns it into a grammar
+    logprobs: int | None = None  # None: off; n: each token's log-probability and its n most likely alternatives
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class Token:
     """A piece of generated text (already stop-string-filtered, UTF-8 complete)."""
 
     text: str
+    logprobs: dict[str, Any] | None = None  # Ollama's shape: token, logprob, bytes, top_logprobs
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,7 @@ class Done:
     eval_count: int
     eval_duration: int  # ns
     context: tuple[int, ...] = ()  # prompt + response tokens
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
 
 
 Event = Token | Done

@@ -92,6 +92,7 @@ class Seq:
     started: int = 0
     first_at: int = 0
     cancelled: bool = False
+    stop_hit: str | None = None
 
 
 class Engine:
@@ -355,6 +356,7 @@ class Engine:
             self.emit({"id": seq.rid, "type": "token", "text": "",
                        "logprobs": self._logprobs(raw, token, seq.top_logprobs or 0)})
         if hit:
+            seq.stop_hit = next((s for s in sorted(seq.stops, key=seq.text.find) if s in seq.text), None)
             seq.text = ""
             self._finish(seq, "stop")
             return
@@ -365,10 +367,17 @@ class Engine:
         seq.next_token = token
 
     def _logprobs(self, raw: np.ndarray, token: int, top: int) -> dict[str, Any]:
+        """Ollama's logprob entry: the token's text, log-probability and bytes, and its top alternatives."""
         lp = logprobs(raw, token, top)
-        lp["text"] = self._token_bytes(token).decode("utf-8", errors="replace")
-        lp["top"] = [[self._token_bytes(t).decode("utf-8", errors="replace"), t, v] for t, v in lp["top"]]
-        return lp
+
+        def entry(tok: int, value: float) -> dict[str, Any]:
+            data = self._token_bytes(tok)
+            return {"token": data.decode("utf-8", errors="replace"), "logprob": value, "bytes": list(data)}
+
+        out = entry(token, lp["logprob"])
+        if top > 0:
+            out["top_logprobs"] = [entry(t, v) for t, v in lp["top"]]
+        return out
 
     def _token_bytes(self, token: int) -> bytes:
         n = self.lc.llama_token_to_piece(self.vocab, token, self._piece, len(self._piece), 0, False)
@@ -389,6 +398,7 @@ class Engine:
             "id": seq.rid, "type": "done", "done_reason": reason, "prompt_eval_count": seq.prompt_eval_count,
             "prompt_eval_duration": max(1, first - seq.started), "eval_count": len(seq.generated),
             "eval_duration": max(1, ended - first), "context": list(seq.prompt) + list(seq.generated),
+            "stop_sequence": seq.stop_hit,
         })
         self._release(seq)
 

@@ -130,12 +130,13 @@ class ProcessRunner:
                     raise self._crashed()
                 kind = msg.get("type")
                 if kind == "token":
-                    yield Token(msg["text"])
+                    yield Token(msg["text"], msg.get("logprobs"))
                 elif kind == "done":
                     finished = True
                     yield Done(done_reason=msg["done_reason"], prompt_eval_count=msg["prompt_eval_count"],
                                prompt_eval_duration=msg["prompt_eval_duration"], eval_count=msg["eval_count"],
-                               eval_duration=msg["eval_duration"], context=tuple(msg.get("context") or ()))
+                               eval_duration=msg["eval_duration"], context=tuple(msg.get("context") or ()),
+                               stop_sequence=msg.get("stop_sequence"))
                     return
                 elif kind == "error":
                     finished = True
