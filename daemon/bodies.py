@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -15,7 +15,8 @@ M = TypeVar("M", bound=BaseModel)
 MAX_JSON_BODY = 64 * 1024 * 1024
 
 
-async def read_model(request: Request, model: type[M], *, allow_empty: bool = False) -> M:
+async def read_body(request: Request, *, allow_empty: bool = False) -> Any:
+    """The request's JSON (None for an empty body when allowed), read with a size cap."""
     raw = b""
     async for chunk in request.stream():
         raw += chunk
@@ -23,12 +24,18 @@ async def read_model(request: Request, model: type[M], *, allow_empty: bool = Fa
             raise InvalidRequest(f"request body is larger than {MAX_JSON_BODY} bytes")
     if not raw.strip():
         if allow_empty:
-            return model()
+            return None
         raise InvalidRequest("missing request body")
     try:
-        data = json.loads(raw)
+        return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"invalid JSON in request body: {exc}") from None
+
+
+async def read_model(request: Request, model: type[M], *, allow_empty: bool = False) -> M:
+    data = await read_body(request, allow_empty=allow_empty)
+    if data is None:
+        return model()
     return parse_model(model, data)
 
 

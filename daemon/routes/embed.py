@@ -21,10 +21,8 @@ def inference(request: Request) -> Inference:
     return request.app.state.inference  # type: ignore[no-any-return]
 
 
-@router.post("/api/embed")
-async def embed(request: Request) -> dict[str, Any]:
-    started = time.monotonic()
-    req = await read_model(request, EmbedRequestBody)
+async def run_embed(inf: Inference, req: EmbedRequestBody, started: float) -> dict[str, Any]:
+    """Ollama's ``/api/embed`` result for ``req`` (shared with ``/v1/embeddings``)."""
     if not req.model_name:
         raise ModelNotFound("")
     inputs: list[str]
@@ -38,7 +36,6 @@ async def embed(request: Request) -> dict[str, Any]:
         raise InvalidRequest("invalid input type")
     if req.dimensions is not None and req.dimensions < 0:
         raise InvalidRequest(f"dimensions must not be negative, got {req.dimensions}")
-    inf = inference(request)
     ctx = await run_in_threadpool(inf.model, req.model_name)
     opts = inf.options(ctx, req.options)
     spec = inf.load_spec(ctx, opts, embedding=True)
@@ -59,6 +56,13 @@ async def embed(request: Request) -> dict[str, Any]:
         "load_duration": int(lease.load_duration * 1e9),
         "prompt_eval_count": result.prompt_eval_count,
     }
+
+
+@router.post("/api/embed")
+async def embed(request: Request) -> dict[str, Any]:
+    started = time.monotonic()
+    req = await read_model(request, EmbedRequestBody)
+    return await run_embed(inference(request), req, started)
 
 
 @router.post("/api/embeddings")

@@ -1,0 +1,135 @@
+"""What the OpenAI (``/v1``) and Anthropic (``/v1/messages``) shims share: reading and checking their request
+bodies with errors that name the parameter, their error shapes, and server-sent events.
+
+Both shims translate a request into an Ollama chat or generate request and run it through the same cores as
+``/api/chat`` and ``/api/generate`` (``daemon/routes/generate.py``), so every API gives the same tokens for the
+same prompt and options. HTTP statuses come from :func:`daemon.errors.status_for`; only the body shape differs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from daemon.bodies import read_body
+from daemon.errors import status_for
+from registry.errors import CorralError, InvalidRequest
+
+log = logging.getLogger(__name__)
+
+
+class BadParam(InvalidRequest):
+    """A request parameter has the wrong type or value; ``param`` names it (OpenAI's ``param`` field)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# -- bodies ---------------------------------------------------------------------------------------------------
+async def read_json(request: Request) -> dict[str, Any]:
+    data = await read_body(request)
+    if not isinstance(data, dict):
+        raise InvalidRequest(f"request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+_KINDS: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "str": (str, "a string"),
+    "int": (int, "an integer"),
+    "num": ((int, float), "a number"),
+    "bool": (bool, "a boolean"),
+    "list": (list, "an array"),
+    "dict": (dict, "an object"),
+}
+
+
+def get(body: dict[str, Any], name: str, kind: str, *, required: bool = False, where: str = "") -> Any:
+    """``body[name]`` checked against ``kind`` (None when absent and not required)."""
+    value = body.get(name)
+    param = f"{where}{name}"
+    if value is None:
+        if required:
+            raise BadParam(param, f"'{param}' is required")
+        return None
+    types, words = _KINDS[kind]
+    if isinstance(value, bool) and kind in ("int", "num"):
+        raise BadParam(param, f"'{param}' must be {words}, got a boolean")
+    if not isinstance(value, types):
+        raise BadParam(param, f"'{param}' must be {words}, got {_json_type(value)}")
+    return value
+
+
+def _json_type(value: Any) -> str:
+    return {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
+            dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def stops(value: Any, param: str) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return list(value)
+    raise BadParam(param, f"'{param}' must be a string or an array of strings")
+
+
+# -- errors ---------------------------------------------------------------------------------------------------
+def openai_error(exc: BaseException) -> JSONResponse:
+    status = status_for(exc)
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            503: "server_error"}.get(status, "api_error")
+    code = "model_not_found" if status == 404 and "model" in str(exc) else None
+    if status >= 500:
+        log.error("request failed status=%d error=%s", status, exc)
+    return JSONResponse({"error": {"message": str(exc), "type": kind, "param": getattr(exc, "param", None),
+                                   "code": code}}, status_code=status)
+
+
+def anthropic_error(exc: BaseException) -> JSONResponse:
+    status = status_for(exc)
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            429: "rate_limit_error", 503: "overloaded_error"}.get(status, "api_error")
+    if status >= 500:
+        log.error("request failed status=%d error=%s", status, exc)
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": str(exc)}}, status_code=status)
+
+
+async def guarded(run: Callable[[], Awaitable[Response]], shape: Callable[[BaseException], JSONResponse]) -> Response:
+    """Run a handler; a domain error becomes this API's error shape (never Ollama's)."""
+    try:
+        return await run()
+    except CorralError as exc:
+        return shape(exc)
+
+
+# -- server-sent events ---------------------------------------------------------------------------------------
+def sse_data(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def sse_event(event: str, obj: Any) -> bytes:
+    return (f"event: {event}\n".encode() + b"data: " +
+            json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n")
+
+
+async def first_then(chunks: AsyncIterator[dict[str, Any]]) -> tuple[dict[str, Any] | None,
+                                                                    AsyncIterator[dict[str, Any]]]:
+    """Pull the first chunk so that an error before any output is still a plain error response."""
+    it = chunks.__aiter__()
+    try:
+        first = await it.__anext__()
+    except StopAsyncIteration:
+        return None, it
+    return first, it
+
+
+def sse_response(body: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

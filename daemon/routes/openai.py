@@ -1,0 +1,450 @@
+"""The OpenAI-compatible API: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/models``.
+
+Requests become Ollama chat, generate or embed requests and run through the same cores as ``/api/*``; replies and
+errors take OpenAI's shapes (server-sent events ending with ``data: [DONE]`` when streaming). As Ollama, an
+absent temperature or top_p means 1.0. Beyond Ollama: an ``options`` object in the body (the SDKs send it with
+``extra_body``) passes any Ollama option, such as ``num_ctx``; ``tool_choice`` "required" or naming a function
+forces the call with a grammar; ``logprobs``/``top_logprobs`` work; ``echo`` works in completions.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+import struct
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from daemon.bodies import parse_model
+from daemon.compat import BadParam, first_then, get, guarded, openai_error, read_json, sse_data, sse_response, stops
+from daemon.inference import Inference
+from daemon.routes.embed import run_embed
+from daemon.routes.generate import run_chat, run_generate
+from daemon.schemas import ChatRequestBody, EmbedRequestBody, GenerateRequestBody
+from registry.errors import CorralError, InvalidRequest
+
+router = APIRouter()
+FINGERPRINT = "fp_corral"
+
+
+def inference(request: Request) -> Inference:
+    return request.app.state.inference  # type: ignore[no-any-return]
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+# -- request translation --------------------------------------------------------------------------------------
+def _options(body: dict[str, Any]) -> dict[str, Any]:
+    """Ollama options from an OpenAI body: defaults of 1.0, then ``options``, then the named OpenAI fields."""
+    opts: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0}
+    extra = get(body, "options", "dict")
+    if extra:
+        opts.update(extra)
+    for name, option in (("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"),
+                         ("frequency_penalty", "frequency_penalty"), ("presence_penalty", "presence_penalty")):
+        value = get(body, name, "int" if name == "seed" else "num")
+        if value is not None:
+            opts[option] = value
+    limit = get(body, "max_completion_tokens", "int")
+    if limit is None:
+        limit = get(body, "max_tokens", "int")
+    if limit is not None:
+        if limit < 0:
+            raise BadParam("max_tokens", "'max_tokens' must not be negative")
+        opts["num_predict"] = limit
+    stop = stops(body.get("stop"), "stop")
+    if stop:
+        opts["stop"] = stop
+    return opts
+
+
+def _content_text(content: Any, where: str) -> tuple[str, list[str]]:
+    """Text and images (base64) from a message's content: a string or an array of parts."""
+    if content is None:
+        return "", []
+    if isinstance(content, str):
+        return content, []
+    if not isinstance(content, list):
+        raise BadParam(where, f"'{where}' must be a string or an array of content parts")
+    texts, images = [], []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise BadParam(f"{where}[{i}]", f"'{where}[{i}]' must be an object")
+        kind = part.get("type")
+        if kind == "text":
+            texts.append(str(part.get("text") or ""))
+        elif kind == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
+                raise BadParam(f"{where}[{i}].image_url", "images must be base64 data URLs "
+                                                          "(data:image/png;base64,...); corral never fetches URLs")
+            images.append(url.split(",", 1)[1])
+        else:
+            raise BadParam(f"{where}[{i}].type", f"unsupported content part type {kind!r}: use text or image_url")
+    return "\n".join(texts), images
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    raw = get(body, "messages", "list", required=True)
+    if not raw:
+        raise BadParam("messages", "'messages' must contain at least one message")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadParam(where, f"'{where}' must be an object")
+        role = m.get("role")
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant", "tool"):
+            raise BadParam(f"{where}.role", f"'{where}.role' must be system, developer, user, assistant or tool, "
+                                             f"got {role!r}")
+        text, images = _content_text(m.get("content"), f"{where}.content")
+        msg: dict[str, Any] = {"role": role, "content": text}
+        if images:
+            msg["images"] = images
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = [_ollama_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(m["tool_calls"])]
+        if role == "tool" and isinstance(m.get("tool_call_id"), str):
+            msg["tool_call_id"] = m["tool_call_id"]
+        if isinstance(m.get("name"), str) and role == "tool":
+            msg["tool_name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def _ollama_call(call: Any, where: str) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise BadParam(where, f"'{where}' must have a function with a name")
+    args = fn.get("arguments") or "{}"
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise BadParam(f"{where}.function.arguments", "tool call arguments must be a JSON object string") from None
+    out: dict[str, Any] = {"function": {"name": fn["name"], "arguments": args}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
+def _format(body: dict[str, Any]) -> Any:
+    rf = get(body, "response_format", "dict")
+    if not rf:
+        return None
+    kind = rf.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return "json"
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise BadParam("response_format.json_schema.schema", "'response_format.json_schema.schema' must be "
+                                                                  "a JSON schema object")
+        return schema
+    raise BadParam("response_format.type", f"unsupported response_format type {kind!r}: use text, json_object "
+                                           "or json_schema")
+
+
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, Any]:
+    """The tools to offer, and a format that forces a call when tool_choice asks for one."""
+    tools = get(body, "tools", "list")
+    choice = body.get("tool_choice")
+    if not tools or choice == "none":
+        return None, None
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance((t.get("function") or {}).get("name"), str):
+            raise BadParam(f"tools[{i}]", f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": "
+                                          f"{{\"name\": ..., \"parameters\": ...}}}}")
+    forced: list[dict[str, Any]] = []
+    if choice == "required":
+        forced = tools
+    elif isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        forced = [t for t in tools if t["function"]["name"] == name]
+        if not forced:
+            raise BadParam("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
+    elif choice not in (None, "auto"):
+        raise BadParam("tool_choice", "'tool_choice' must be none, auto, required or a function")
+    return tools, (call_schema(forced) if forced else None)
+
+
+def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """A JSON schema for one call of one of ``tools``: ``{"name": ..., "arguments": {...}}``."""
+    options = []
+    for t in tools:
+        fn = t["function"]
+        params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {"type": "object"}
+        options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                        "required": ["name", "arguments"]})
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+# -- response translation -------------------------------------------------------------------------------------
+def _finish(done_reason: str | None, tool_calls: bool) -> str:
+    if tool_calls:
+        return "tool_calls"
+    return "length" if done_reason == "length" else "stop"
+
+
+def _openai_calls(calls: list[dict[str, Any]], *, with_index: bool = False) -> list[dict[str, Any]]:
+    out = []
+    for i, c in enumerate(calls):
+        item: dict[str, Any] = {"id": c.get("id") or _id("call"), "type": "function",
+                                "function": {"name": c["function"]["name"],
+                                             "arguments": json.dumps(c["function"].get("arguments") or {})}}
+        if with_index:
+            item["index"] = i
+        out.append(item)
+    return out
+
+
+def _openai_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": e.get("bytes"),
+                         "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": t.get("bytes")}
+                                          for t in e.get("top_logprobs") or []]} for e in entries]}
+
+
+def _usage(final: dict[str, Any]) -> dict[str, int]:
+    p, c = int(final.get("prompt_eval_count") or 0), int(final.get("eval_count") or 0)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _logprob_request(body: dict[str, Any]) -> tuple[bool, int]:
+    want = get(body, "logprobs", "bool") or False
+    top = get(body, "top_logprobs", "int") or 0
+    if not 0 <= top <= 20:
+        raise BadParam("top_logprobs", "'top_logprobs' must be between 0 and 20")
+    return bool(want), top
+
+
+# -- /v1/chat/completions -------------------------------------------------------------------------------------
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await guarded(lambda: _chat_completions(request), openai_error)
+
+
+async def _chat_completions(request: Request) -> Response:
+    started = time.monotonic()
+    body = await read_json(request)
+    model = get(body, "model", "str", required=True)
+    messages = _messages(body)
+    opts = _options(body)
+    tools, forced = _tools(body)
+    fmt = forced if forced is not None else _format(body)
+    want_logprobs, top = _logprob_request(body)
+    stream = bool(get(body, "stream", "bool"))
+    include_usage = bool((get(body, "stream_options", "dict") or {}).get("include_usage"))
+    req = parse_model(ChatRequestBody, {"model": model, "messages": messages, "options": opts, "format": fmt,
+                                        "tools": tools, "stream": stream, "logprobs": want_logprobs,
+                                        "top_logprobs": top, "keep_alive": body.get("keep_alive")})
+    final, chunks = await run_chat(inference(request), req, started)
+    if chunks is None:
+        raise InvalidRequest("'messages' must contain at least one message")
+    first, rest = await first_then(chunks)
+    cid, created = _id("chatcmpl"), int(time.time())
+    if not stream:
+        return JSONResponse(await _chat_whole(first, rest, cid, created, model, want_logprobs))
+    return sse_response(_chat_events(first, rest, cid, created, model, want_logprobs, include_usage))
+
+
+async def _chat_whole(first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]], cid: str, created: int,
+                      model: str, want_logprobs: bool) -> dict[str, Any]:
+    text, calls, lps, last = "", [], [], first or {}
+    chunk = first
+    while chunk is not None:
+        msg = chunk.get("message") or {}
+        text += msg.get("content") or ""
+        calls += msg.get("tool_calls") or []
+        lps += chunk.get("logprobs") or []
+        last = chunk
+        chunk = await anext(rest, None)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = _openai_calls(calls)
+    choice: dict[str, Any] = {"index": 0, "message": message,
+                              "finish_reason": _finish(last.get("done_reason"), bool(calls)),
+                              "logprobs": _openai_logprobs(lps) if want_logprobs else None}
+    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+            "system_fingerprint": FINGERPRINT, "choices": [choice], "usage": _usage(last)}
+
+
+async def _chat_events(first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]], cid: str, created: int,
+                       model: str, want_logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:
+    def frame(delta: dict[str, Any], finish: str | None = None, lps: list[dict[str, Any]] | None = None
+              ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish,
+                                  "logprobs": _openai_logprobs(lps) if (want_logprobs and lps) else None}
+        return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "system_fingerprint": FINGERPRINT, "choices": [choice]}
+
+    any_calls = False
+    chunk = first
+    sent_role = False
+    try:
+        while chunk is not None:
+            msg = chunk.get("message") or {}
+            if chunk.get("done"):
+                yield sse_data(frame({}, _finish(chunk.get("done_reason"), any_calls)))
+                if include_usage:
+                    yield sse_data({"id": cid, "object": "chat.completion.chunk", "created": created,
+                                    "model": model, "system_fingerprint": FINGERPRINT, "choices": [],
+                                    "usage": _usage(chunk)})
+                break
+            delta: dict[str, Any] = {} if sent_role else {"role": "assistant"}
+            sent_role = True
+            delta["content"] = msg.get("content") or ""
+            if msg.get("tool_calls"):
+                any_calls = True
+                delta["tool_calls"] = _openai_calls(msg["tool_calls"], with_index=True)
+            yield sse_data(frame(delta, None, chunk.get("logprobs")))
+            chunk = await anext(rest, None)
+    except CorralError as exc:
+        yield sse_data({"error": {"message": str(exc), "type": "api_error", "param": None, "code": None}})
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+    yield b"data: [DONE]\n\n"
+
+
+# -- /v1/completions ------------------------------------------------------------------------------------------
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await guarded(lambda: _completions(request), openai_error)
+
+
+async def _completions(request: Request) -> Response:
+    started = time.monotonic()
+    body = await read_json(request)
+    model = get(body, "model", "str", required=True)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise BadParam("prompt", "'prompt' must be a string (one prompt per request)")
+    suffix = get(body, "suffix", "str") or ""
+    echo = bool(get(body, "echo", "bool"))
+    stream = bool(get(body, "stream", "bool"))
+    include_usage = bool((get(body, "stream_options", "dict") or {}).get("include_usage"))
+    opts = _options(body)
+    req = parse_model(GenerateRequestBody, {"model": model, "prompt": prompt, "suffix": suffix, "options": opts,
+                                            "stream": stream, "raw": bool(body.get("raw", False)),
+                                            "keep_alive": body.get("keep_alive")})
+    final, chunks = await run_generate(inference(request), req, started)
+    if chunks is None:  # an empty prompt only loads the model
+        chunks = _single(final or {})
+    first, rest = await first_then(chunks)
+    cid, created = _id("cmpl"), int(time.time())
+
+    def obj(text: str, finish: str | None, usage: dict[str, int] | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                               "system_fingerprint": FINGERPRINT,
+                               "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    if not stream:
+        text, last, chunk = (prompt if echo else ""), first or {}, first
+        while chunk is not None:
+            text += chunk.get("response") or ""
+            last = chunk
+            chunk = await anext(rest, None)
+        return JSONResponse(obj(text, _finish(last.get("done_reason"), False), _usage(last)))
+
+    async def events() -> AsyncIterator[bytes]:
+        chunk = first
+        try:
+            if echo:
+                yield sse_data(obj(prompt, None))
+            while chunk is not None:
+                if chunk.get("done"):
+                    yield sse_data(obj("", _finish(chunk.get("done_reason"), False)))
+                    if include_usage:
+                        yield sse_data({**obj("", None), "choices": [], "usage": _usage(chunk)})
+                    break
+                yield sse_data(obj(chunk.get("response") or "", None))
+                chunk = await anext(rest, None)
+        except CorralError as exc:
+            yield sse_data({"error": {"message": str(exc), "type": "api_error", "param": None, "code": None}})
+        finally:
+            await rest.aclose()  # type: ignore[attr-defined]
+        yield b"data: [DONE]\n\n"
+
+    return sse_response(events())
+
+
+async def _single(final: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    yield final
+
+
+# -- /v1/embeddings -------------------------------------------------------------------------------------------
+@router.post("/v1/embeddings")
+async def embeddings(request: Request) -> Response:
+    return await guarded(lambda: _embeddings(request), openai_error)
+
+
+async def _embeddings(request: Request) -> Response:
+    started = time.monotonic()
+    body = await read_json(request)
+    model = get(body, "model", "str", required=True)
+    raw = body.get("input")
+    if isinstance(raw, str):
+        inputs = [raw]
+    elif isinstance(raw, list) and raw and all(isinstance(x, str) for x in raw):
+        inputs = list(raw)
+    else:
+        raise BadParam("input", "'input' must be a non-empty string or array of strings (token arrays are not "
+                                "accepted; send text)")
+    encoding = get(body, "encoding_format", "str") or "float"
+    if encoding not in ("float", "base64"):
+        raise BadParam("encoding_format", "'encoding_format' must be float or base64")
+    dims = get(body, "dimensions", "int")
+    if dims is not None and dims <= 0:
+        raise BadParam("dimensions", "'dimensions' must be a positive integer")
+    req = parse_model(EmbedRequestBody, {"model": model, "input": inputs, "dimensions": dims,
+                                         "options": get(body, "options", "dict"),
+                                         "keep_alive": body.get("keep_alive")})
+    result = await run_embed(inference(request), req, started)
+    data = []
+    for i, vec in enumerate(result.get("embeddings") or []):
+        value: Any = vec
+        if encoding == "base64":
+            value = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+        data.append({"object": "embedding", "embedding": value, "index": i})
+    tokens = int(result.get("prompt_eval_count") or 0)
+    return JSONResponse({"object": "list", "data": data, "model": model,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+# -- /v1/models -----------------------------------------------------------------------------------------------
+def _model_entry(m: Any) -> dict[str, Any]:
+    """OpenAI's model object for a :class:`registry.store.StoredModel`."""
+    return {"id": m.name.short(), "object": "model", "created": int(m.modified_at), "owned_by": m.name.namespace}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    async def run() -> Response:
+        models = request.app.state.store.list_models()
+        return JSONResponse({"object": "list", "data": [_model_entry(m) for m in models]})
+
+    return await guarded(run, openai_error)
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(model: str, request: Request) -> Response:
+    async def run() -> Response:
+        return JSONResponse(_model_entry(request.app.state.catalog.get(model)))  # or ModelNotFound
+
+    return await guarded(run, openai_error)
