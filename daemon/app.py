@@ -17,6 +17,7 @@ from daemon.eviction import Budget
 from daemon.inference import Inference
 from daemon.routes import blobs, create, embed, generate, meta, models, ps
 from daemon.routes import registry as registry_routes
+from daemon.routes import anthropic as anthropic_routes
 from daemon.routes import openai as openai_routes
 from daemon.runners.base import LoadSpec, MemoryUse, Runner
 from daemon.scheduler import ModelRef, Scheduler
@@ -112,6 +113,7 @@ def create_app(
         app.include_router(module.router)
     app.include_router(registry_routes.router)
     app.include_router(openai_routes.router)
+    app.include_router(anthropic_routes.router)
     metrics = Metrics(scheduler)
     app.state.metrics = metrics
 

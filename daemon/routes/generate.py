@@ -234,7 +234,7 @@ async def generate(request: Request) -> Response:
 
 
 # -- chat ---------------------------------------------------------------------------------------------------------
-def _message_dict(m: ChatMessage) -> dict[str, Any]:
+def message_dict(m: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": m.role.lower(), "content": m.content}
     if m.thinking:
         out["thinking"] = m.thinking
@@ -335,7 +335,7 @@ async def run_chat(inf: Inference, req: ChatRequestBody, started: float,
     if req.tools and "tools" not in ctx.capabilities:
         raise InvalidRequest(f"{ctx.name} does not support tools")
     _check_think(ctx, req.think)
-    request_messages = [_message_dict(m) for m in req.messages]
+    request_messages = [message_dict(m) for m in req.messages]
     _check_images(ctx, [img for m in request_messages for img in m.get("images", [])])
     opts = inf.options(ctx, req.options)
     params = _with_logprobs(inf.sample_params(opts, req.format), req)
