@@ -113,6 +113,7 @@ class Download:
         self.resumed = 0  # bytes found from an earlier attempt
         self.error: BaseException | None = None
         self.finished = threading.Event()
+        self.prepared = threading.Event()  # set once ``completed`` counts what an earlier attempt left
         self.cancelled = threading.Event()
         self.waiters = 0
         self._stop = threading.Event()  # cancelled, or a part failed for good
@@ -162,6 +163,7 @@ class Download:
                 log.warning("blob download failed digest=%s error=%s", self.digest, exc)
         finally:
             self.remote.release()
+            self.prepared.set()
             self.finished.set()
             with self.cond:
                 self.cond.notify_all()
@@ -200,6 +202,7 @@ class Download:
             raise StoreError(f"cannot create {path}: {exc.strerror or exc}") from exc
         self.parts = parts
         self.completed = self.resumed = sum(p.completed for p in parts)
+        self.prepared.set()
         self._save(force=True)
 
     def _load_state(self) -> list[Part] | None:

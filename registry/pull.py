@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 SPACE_RESERVE = 64 * 1024 * 1024
 #: How long a failed pull waits for the downloads it cancels to save their progress before it reports.
 CANCEL_WAIT = 10.0
+#: How long the first progress line of a blob waits for its download to read what an earlier attempt left.
+PREPARE_WAIT = 5.0
 
 
 def format_bytes(n: int) -> str:
@@ -179,6 +181,8 @@ class Puller:
         shown: dict[Digest, int] = {}
         for layer in blobs:
             d = active.get(layer.digest)
+            if d is not None:
+                d.prepared.wait(PREPARE_WAIT)
             shown[layer.digest] = layer.size if d is None else d.completed
             yield progress(layer, shown[layer.digest])
         while True:

@@ -81,6 +81,7 @@ class FakeRegistry:
     stall_blob_gets: int = 0  # this many blob GETs send half their bytes and then go silent
     stall_seconds: float = 5.0
     error_body: bytes | None = None  # serve this as the body of 500s
+    fail_patches: int = 0  # answer this many upload PATCHes with 503 (dropping their bytes)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     # -- helpers for tests -----------------------------------------------------------------------------------
@@ -215,7 +216,15 @@ class FakeRegistry:
         buf = self.uploads.get(upload_id)
         if buf is None:
             return await self.respond(record, send, 404)
+        if method == "GET":
+            return await self.respond(record, send, 204, b"", {"range": f"0-{len(buf) - 1}"})
         if method == "PATCH":
+            with self.lock:
+                fail = self.fail_patches > 0
+                if fail:
+                    self.fail_patches -= 1
+            if fail:
+                return await self.respond(record, send, 503, b'{"errors":[{"code":"UNAVAILABLE"}]}')
             buf += body
             return await self.respond(record, send, 202, b"", {"location": f"/v2/x/y/blobs/uploads/{upload_id}",
                                                               "range": f"0-{len(buf) - 1}"})
