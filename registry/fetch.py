@@ -70,7 +70,7 @@ class RangeReader:
             view = view[: self.remaining]
         try:
             n = self.response.readinto(view)
-        except (TimeoutError, socket.timeout) as exc:
+        except TimeoutError as exc:
             raise Stalled(str(exc)) from exc
         except (OSError, http.client.HTTPException, ValueError) as exc:
             raise Transient(f"connection lost: {exc or type(exc).__name__}") from exc
@@ -165,7 +165,7 @@ def open_range(client: RegistryClient, url: str | httpx.URL, digest: Digest, sta
         try:
             conn.request("GET", target, headers=headers)
             response = conn.getresponse()
-        except (TimeoutError, socket.timeout) as exc:
+        except TimeoutError as exc:
             conn.close()
             raise Stalled(f"{current.host} did not answer in {timeout:.0f} s") from exc
         except ssl.SSLError as exc:

@@ -23,8 +23,6 @@ import platform
 import socket
 import ssl
 import threading
-import time
-import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -542,11 +540,3 @@ def backoff(attempt: int, base: float, cap: float = 30.0) -> float:
     """Seconds to wait before retry number ``attempt`` (1, 2, 4 … times ``base``, at most ``cap``)."""
     return float(min(cap, base * (2 ** max(0, attempt - 1))))
 
-
-def wait_or_cancel(seconds: float, cancelled: threading.Event) -> bool:
-    """Sleep unless cancelled; True if cancelled."""
-    return cancelled.wait(seconds) if seconds > 0 else cancelled.is_set()
-
-
-def monotonic() -> float:
-    return time.monotonic()
