@@ -18,7 +18,9 @@ from cli import output
 from cli.chat import Printer, generate_stream
 from cli.client import DaemonClient
 from cli.commands.common import client_from_env
-from registry.errors import InvalidRequest, ModelNotFound, NotFound
+from cli.errors import DaemonUnreachable
+from cli.progress import render_progress
+from registry.errors import CorralError, InvalidRequest, ModelNotFound, NotFound
 
 THINK_LEVELS = ("true", "false", "high", "medium", "low", "max")
 
@@ -34,33 +36,23 @@ def think_value(raw: str | None) -> bool | str | None:
 
 
 def find_model(client: DaemonClient, name: str, *, insecure: bool = False) -> dict[str, Any]:
-    """``/api/show`` for ``name``; a model that is not here is pulled (with progress), then shown."""
+    """``/api/show`` for ``name``; a model that is not here is pulled (with ``corral pull``'s progress), then
+    shown. A failed pull says which model was missing as well as why the pull failed."""
     try:
         return client.show(name)
     except ModelNotFound:
         pass
     try:
-        pull_model(client, name, insecure=insecure)
+        render_progress(client.pull(name, insecure=insecure))
+    except DaemonUnreachable:
+        raise
     except NotFound as exc:
-        raise ModelNotFound(name, f"model '{name}' is not here and could not be pulled: {exc}") from None
+        raise ModelNotFound(name, f"model '{name}' is not here and the registry does not have it: {exc}") from None
+    except CorralError as exc:
+        err = CorralError(f"model '{name}' is not here, and pulling it failed: {exc}")
+        err.status = getattr(exc, "status", None)  # type: ignore[attr-defined]
+        raise err from None
     return client.show(name)
-
-
-def pull_model(client: DaemonClient, name: str, *, insecure: bool = False) -> None:
-    """Pull ``name`` through the daemon (``POST /api/pull``), drawing its progress: a line per step, a bar per
-    layer. A daemon that has no such model anywhere answers 404, which reads as "model not found"."""
-    body = {"model": name, "insecure": insecure, "stream": True}
-    with output.reporter() as rep:
-        for event in client.stream("POST", "/api/pull", body):
-            status = str(event.get("status") or "")
-            digest, total = event.get("digest"), int(event.get("total") or 0)
-            if digest and total:
-                if int(event.get("completed") or 0) == 0:
-                    continue  # as Ollama: no 0% bars
-                rep.bar(digest, f"pulling {str(digest).removeprefix('sha256:')[:12]}", total).set(
-                    int(event.get("completed") or 0))
-            elif status:
-                rep.status(status)
 
 
 def run(

@@ -187,7 +187,7 @@ def test_ps_stop_and_info(daemon_with_models: Daemon) -> None:
 
 def test_run_missing_model_is_a_clear_error(daemon_with_models: Daemon) -> None:
     r = daemon_with_models.cli("run", "no-such-model-here", "hi")
-    assert r.returncode == 1 and "no-such-model-here" in r.stderr
+    assert r.returncode == 1 and "model 'no-such-model-here' is not here" in r.stderr
 
 
 # -- the REPL, driven line by line ----------------------------------------------------------------------------
