@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
+
+from registry.errors import CorralError
 
 router = APIRouter()
 
@@ -18,11 +21,22 @@ def _rfc3339_wall(ts: float) -> str:
     return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond:06d}000" + zone
 
 
+async def _slots(runner: Any) -> list[dict[str, Any]] | None:
+    ask = getattr(runner, "slots", None)
+    if ask is None or not runner.alive():
+        return None
+    try:
+        return list(await asyncio.wait_for(ask(), 2.0))
+    except (asyncio.TimeoutError, CorralError):
+        return None
+
+
 @router.get("/api/ps")
-def ps(request: Request) -> dict[str, Any]:
+async def ps(request: Request) -> dict[str, Any]:
     models = []
     for item in request.app.state.scheduler.loaded():
         e = item["entry"]
+        slots = None if e.loading else await _slots(e.runner)
         models.append({
             "name": e.ref.name,
             "model": e.ref.name,
@@ -33,6 +47,7 @@ def ps(request: Request) -> dict[str, Any]:
             "size_vram": e.memory.vram,
             "context_length": e.spec.num_ctx,
             "num_parallel": e.spec.num_parallel,  # corral: sequence slots batched together in this runner
+            **({"slots": slots} if slots is not None else {}),  # corral: busy, and cached tokens for reuse
         })
     return {"models": models}
 

@@ -176,6 +176,9 @@ class Runner:
             elif op == "embed":
                 self.chan.send({"id": rid, "type": "result", **self.embed(list(msg["inputs"]),
                                                                            bool(msg.get("truncate", True)))})
+            elif op == "slots":
+                slots = self.engine.slots_info() if self.engine is not None else []
+                self.chan.send({"id": rid, "type": "result", "slots": slots})
             elif op == "tokenize":
                 self.chan.send({"id": rid, "type": "result",
                                 "tokens": self.tokenize(msg["text"], bool(msg.get("add_special", True)))})

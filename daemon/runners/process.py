@@ -153,6 +153,10 @@ class ProcessRunner:
         msg = await self._call({"op": "embed", "inputs": inputs, "truncate": truncate})
         return Embedding(vectors=msg["vectors"], prompt_eval_count=msg["prompt_eval_count"])
 
+    async def slots(self) -> list[dict[str, Any]]:
+        """The runner's sequence slots: id, busy, and how many tokens its KV cache holds for reuse."""
+        return list((await self._call({"op": "slots"}))["slots"])
+
     async def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
         return list((await self._call({"op": "tokenize", "text": text, "add_special": add_special}))["tokens"])
 

@@ -78,7 +78,9 @@ def test_eight_concurrent_greedy_requests_match_alone(batched: Daemon) -> None:
         assert str(together[4]["response"]).lstrip().startswith("{")
     assert together[3]["eval_count"] <= 12
     ps = httpx.get(batched.url + "/api/ps").json()["models"]
-    assert next(m for m in ps if m["name"] == "smol:latest")["num_parallel"] == 4
+    smol = next(m for m in ps if m["name"] == "smol:latest")
+    assert smol["num_parallel"] == 4 and [s["id"] for s in smol["slots"]] == [0, 1, 2, 3]
+    assert all(not s["busy"] and s["cached_tokens"] > 0 for s in smol["slots"])  # kept for prefix reuse
 
 
 @pytest.mark.real_model
