@@ -8,6 +8,7 @@ same prompt and options. HTTP statuses come from :func:`daemon.errors.status_for
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,6 +22,7 @@ from daemon.errors import status_for
 from registry.errors import CorralError, InvalidRequest
 
 log = logging.getLogger(__name__)
+Handler = Callable[..., Awaitable[Response]]
 
 
 class BadParam(InvalidRequest):
@@ -101,12 +103,20 @@ def anthropic_error(exc: BaseException) -> JSONResponse:
     return JSONResponse({"type": "error", "error": {"type": kind, "message": str(exc)}}, status_code=status)
 
 
-async def guarded(run: Callable[[], Awaitable[Response]], shape: Callable[[BaseException], JSONResponse]) -> Response:
-    """Run a handler; a domain error becomes this API's error shape (never Ollama's)."""
-    try:
-        return await run()
-    except CorralError as exc:
-        return shape(exc)
+def shaped(shape: Callable[[BaseException], JSONResponse]) -> Callable[[Handler], Handler]:
+    """Decorate a route so that a domain error becomes this API's error shape (never Ollama's)."""
+
+    def wrap(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        async def route(*args: Any, **kwargs: Any) -> Response:
+            try:
+                return await handler(*args, **kwargs)
+            except CorralError as exc:
+                return shape(exc)
+
+        return route
+
+    return wrap
 
 
 # -- server-sent events ---------------------------------------------------------------------------------------

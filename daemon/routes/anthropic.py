@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from daemon.bodies import parse_model
-from daemon.compat import BadParam, anthropic_error, first_then, get, guarded, read_json, sse_event, sse_response
+from daemon.compat import BadParam, anthropic_error, first_then, get, shaped, read_json, sse_event, sse_response
 from daemon.inference import Inference
 from daemon.routes.generate import build_messages, message_dict, render_chat, run_chat
 from daemon.routes.openai import call_schema
@@ -172,11 +172,8 @@ def _tool_block(call: dict[str, Any]) -> dict[str, Any]:
 
 
 @router.post("/v1/messages")
+@shaped(anthropic_error)
 async def messages(request: Request) -> Response:
-    return await guarded(lambda: _messages_route(request), anthropic_error)
-
-
-async def _messages_route(request: Request) -> Response:
     started = time.monotonic()
     body = await read_json(request)
     stream = bool(get(body, "stream", "bool"))
@@ -257,11 +254,8 @@ async def _events(first: dict[str, Any] | None, rest: AsyncIterator[dict[str, An
 
 # -- /v1/messages/count_tokens --------------------------------------------------------------------------------
 @router.post("/v1/messages/count_tokens")
+@shaped(anthropic_error)
 async def count_tokens(request: Request) -> Response:
-    return await guarded(lambda: _count_tokens(request), anthropic_error)
-
-
-async def _count_tokens(request: Request) -> Response:
     body = await read_json(request)
     body.setdefault("max_tokens", 1)
     req = _chat_request(body, stream=False)

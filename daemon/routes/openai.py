@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from daemon.bodies import parse_model
-from daemon.compat import BadParam, first_then, get, guarded, openai_error, read_json, sse_data, sse_response, stops
+from daemon.compat import BadParam, first_then, get, shaped, openai_error, read_json, sse_data, sse_response, stops
 from daemon.inference import Inference
 from daemon.routes.embed import run_embed
 from daemon.routes.generate import run_chat, run_generate
@@ -231,11 +231,8 @@ def _logprob_request(body: dict[str, Any]) -> tuple[bool, int]:
 
 # -- /v1/chat/completions -------------------------------------------------------------------------------------
 @router.post("/v1/chat/completions")
+@shaped(openai_error)
 async def chat_completions(request: Request) -> Response:
-    return await guarded(lambda: _chat_completions(request), openai_error)
-
-
-async def _chat_completions(request: Request) -> Response:
     started = time.monotonic()
     body = await read_json(request)
     model = get(body, "model", "str", required=True)
@@ -319,11 +316,8 @@ async def _chat_events(first: dict[str, Any] | None, rest: AsyncIterator[dict[st
 
 # -- /v1/completions ------------------------------------------------------------------------------------------
 @router.post("/v1/completions")
+@shaped(openai_error)
 async def completions(request: Request) -> Response:
-    return await guarded(lambda: _completions(request), openai_error)
-
-
-async def _completions(request: Request) -> Response:
     started = time.monotonic()
     body = await read_json(request)
     model = get(body, "model", "str", required=True)
@@ -390,11 +384,8 @@ async def _single(final: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
 
 # -- /v1/embeddings -------------------------------------------------------------------------------------------
 @router.post("/v1/embeddings")
+@shaped(openai_error)
 async def embeddings(request: Request) -> Response:
-    return await guarded(lambda: _embeddings(request), openai_error)
-
-
-async def _embeddings(request: Request) -> Response:
     started = time.monotonic()
     body = await read_json(request)
     model = get(body, "model", "str", required=True)
@@ -434,17 +425,13 @@ def _model_entry(m: Any) -> dict[str, Any]:
 
 
 @router.get("/v1/models")
+@shaped(openai_error)
 async def list_models(request: Request) -> Response:
-    async def run() -> Response:
-        models = request.app.state.store.list_models()
-        return JSONResponse({"object": "list", "data": [_model_entry(m) for m in models]})
-
-    return await guarded(run, openai_error)
+    models = request.app.state.store.list_models()
+    return JSONResponse({"object": "list", "data": [_model_entry(m) for m in models]})
 
 
 @router.get("/v1/models/{model:path}")
+@shaped(openai_error)
 async def get_model(model: str, request: Request) -> Response:
-    async def run() -> Response:
-        return JSONResponse(_model_entry(request.app.state.catalog.get(model)))  # or ModelNotFound
-
-    return await guarded(run, openai_error)
+    return JSONResponse(_model_entry(request.app.state.catalog.get(model)))  # or ModelNotFound
