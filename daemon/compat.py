@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -51,8 +51,10 @@ _KINDS: dict[str, tuple[type | tuple[type, ...], str]] = {
 }
 
 
-def get(body: dict[str, Any], name: str, kind: str, *, required: bool = False, where: str = "") -> Any:
-    """``body[name]`` checked against ``kind`` (None when absent and not required)."""
+def get(body: dict[str, Any], name: str, kind: str, *, required: bool = False, where: str = "",
+        lo: float | None = None, hi: float | None = None) -> Any:
+    """``body[name]`` checked against ``kind`` and, for numbers, the range ``lo``..``hi`` (None when absent and
+    not required)."""
     value = body.get(name)
     param = f"{where}{name}"
     if value is None:
@@ -64,6 +66,10 @@ def get(body: dict[str, Any], name: str, kind: str, *, required: bool = False, w
         raise BadParam(param, f"'{param}' must be {words}, got a boolean")
     if not isinstance(value, types):
         raise BadParam(param, f"'{param}' must be {words}, got {_json_type(value)}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = (f"between {lo:g} and {hi:g}" if lo is not None and hi is not None
+                  else f"at least {lo:g}" if lo is not None else f"at most {hi:g}")
+        raise BadParam(param, f"'{param}' must be {bounds}, got {value}")
     return value
 
 
@@ -138,6 +144,26 @@ async def first_then(chunks: AsyncIterator[dict[str, Any]]) -> tuple[dict[str, A
     except StopAsyncIteration:
         return None, it
     return first, it
+
+
+async def guarded(frames: AsyncGenerator[bytes, None], rest: AsyncIterator[dict[str, Any]],
+                  error_frame: Callable[[str], bytes], tail: bytes = b"") -> AsyncIterator[bytes]:
+    """An SSE body around ``frames``: an error once the stream has started becomes ``error_frame(message)``
+    (the status line is already sent); the runner stream ``rest`` is closed however it ends, so a client that
+    leaves stops generation; ``tail`` (OpenAI's ``data: [DONE]``) ends a stream that was not left."""
+    try:
+        async for frame in frames:
+            yield frame
+    except CorralError as exc:
+        yield error_frame(str(exc))
+    except Exception as exc:  # never crash the daemon over one stream
+        log.exception("generation failed: %s", exc)
+        yield error_frame(f"internal error: {exc}")
+    finally:
+        await frames.aclose()
+        await rest.aclose()  # type: ignore[attr-defined]
+    if tail:
+        yield tail
 
 
 def sse_response(body: AsyncIterator[bytes]) -> StreamingResponse:

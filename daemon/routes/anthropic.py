@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -20,12 +20,12 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from daemon.bodies import parse_model
-from daemon.compat import BadParam, anthropic_error, first_then, get, shaped, read_json, sse_event, sse_response
+from daemon.compat import (BadParam, anthropic_error, first_then, get, guarded, read_json, shaped, sse_event,
+                           sse_response)
 from daemon.inference import Inference
 from daemon.routes.generate import build_messages, message_dict, render_chat, run_chat
 from daemon.routes.openai import call_schema
 from daemon.schemas import ChatRequestBody
-from registry.errors import CorralError
 
 router = APIRouter()
 
@@ -56,6 +56,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     raw = get(body, "messages", "list", required=True)
     if not raw:
         raise BadParam("messages", "'messages' must contain at least one message")
+    names: dict[str, str] = {}  # tool_use id -> tool name, for the tool_result blocks that answer them
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
@@ -82,12 +83,17 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             elif kind == "tool_use" and role == "assistant":
                 if not isinstance(block.get("name"), str):
                     raise BadParam(f"{bwhere}.name", f"'{bwhere}.name' must be a string")
-                calls.append({"id": str(block.get("id") or ""),
-                              "function": {"name": block["name"], "arguments": block.get("input") or {}}})
+                call_id = str(block.get("id") or "")
+                names[call_id] = block["name"]
+                calls.append({"id": call_id, "function": {"name": block["name"], "arguments": _input(block, bwhere)}})
             elif kind == "tool_result" and role == "user":
                 result = block.get("content")
                 text = result if isinstance(result, str) else _blocks_text(result or [], f"{bwhere}.content")
-                out.append({"role": "tool", "content": text, "tool_call_id": str(block.get("tool_use_id") or "")})
+                call_id = str(block.get("tool_use_id") or "")
+                tool: dict[str, Any] = {"role": "tool", "content": text, "tool_call_id": call_id}
+                if call_id in names:
+                    tool["tool_name"] = names[call_id]
+                out.append(tool)
             else:
                 raise BadParam(f"{bwhere}.type", f"unsupported block type {kind!r} in a {role} message")
         if texts or images or calls:
@@ -100,17 +106,23 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _input(block: dict[str, Any], where: str) -> dict[str, Any]:
+    value = block.get("input")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadParam(f"{where}.input", f"'{where}.input' must be an object")
+    return value
+
+
 def _options(body: dict[str, Any]) -> dict[str, Any]:
     opts: dict[str, Any] = dict(get(body, "options", "dict") or {})
-    max_tokens = get(body, "max_tokens", "int", required=True)
-    if max_tokens < 1:
-        raise BadParam("max_tokens", "'max_tokens' must be at least 1")
-    opts["num_predict"] = max_tokens
+    opts["num_predict"] = get(body, "max_tokens", "int", required=True, lo=1)
     for name in ("temperature", "top_p"):
-        value = get(body, name, "num")
+        value = get(body, name, "num", lo=0, hi=1)
         if value is not None:
             opts[name] = value
-    top_k = get(body, "top_k", "int")
+    top_k = get(body, "top_k", "int", lo=0)
     if top_k is not None:
         opts["top_k"] = top_k
     seqs = get(body, "stop_sequences", "list")
@@ -184,7 +196,7 @@ async def messages(request: Request) -> Response:
     mid = f"msg_{secrets.token_hex(12)}"
     if not stream:
         return JSONResponse(await _whole(first, rest, mid, req.model_name))
-    return sse_response(_events(first, rest, mid, req.model_name))
+    return sse_response(guarded(_events(first, rest, mid, req.model_name), rest, _error_event))
 
 
 async def _whole(first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]], mid: str,
@@ -205,51 +217,50 @@ async def _whole(first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any
                       "output_tokens": int(last.get("eval_count") or 0)}}
 
 
+def _error_event(message: str) -> bytes:
+    return sse_event("error", {"type": "error", "error": {"type": "api_error", "message": message}})
+
+
 async def _events(first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]], mid: str,
-                  model: str) -> AsyncIterator[bytes]:
+                  model: str) -> AsyncGenerator[bytes, None]:
     yield sse_event("message_start", {"type": "message_start", "message": {
         "id": mid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
         "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}})
     yield sse_event("ping", {"type": "ping"})
     index, text_open, any_calls, chunk = 0, False, False, first
-    try:
-        while chunk is not None:
-            msg = chunk.get("message") or {}
-            if chunk.get("done"):
-                if text_open:
-                    yield sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
-                reason, seq = _stop_reason(chunk, any_calls)
-                yield sse_event("message_delta", {
-                    "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                    "usage": {"input_tokens": int(chunk.get("prompt_eval_count") or 0),
-                              "output_tokens": int(chunk.get("eval_count") or 0)}})
-                yield sse_event("message_stop", {"type": "message_stop"})
-                return
-            text = msg.get("content") or ""
-            if text:
-                if not text_open:
-                    yield sse_event("content_block_start", {"type": "content_block_start", "index": index,
-                                                            "content_block": {"type": "text", "text": ""}})
-                    text_open = True
-                yield sse_event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                        "delta": {"type": "text_delta", "text": text}})
-            for call in msg.get("tool_calls") or []:
-                if text_open:
-                    yield sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
-                    index, text_open = index + 1, False
-                any_calls = True
-                block = _tool_block(call)
-                yield sse_event("content_block_start", {"type": "content_block_start", "index": index,
-                                                        "content_block": {**block, "input": {}}})
-                yield sse_event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                    "type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
+    while chunk is not None:
+        msg = chunk.get("message") or {}
+        if chunk.get("done"):
+            if text_open:
                 yield sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
-                index += 1
-            chunk = await anext(rest, None)
-    except CorralError as exc:
-        yield sse_event("error", {"type": "error", "error": {"type": "api_error", "message": str(exc)}})
-    finally:
-        await rest.aclose()  # type: ignore[attr-defined]
+            reason, seq = _stop_reason(chunk, any_calls)
+            yield sse_event("message_delta", {
+                "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                "usage": {"input_tokens": int(chunk.get("prompt_eval_count") or 0),
+                          "output_tokens": int(chunk.get("eval_count") or 0)}})
+            yield sse_event("message_stop", {"type": "message_stop"})
+            return
+        text = msg.get("content") or ""
+        if text:
+            if not text_open:
+                yield sse_event("content_block_start", {"type": "content_block_start", "index": index,
+                                                        "content_block": {"type": "text", "text": ""}})
+                text_open = True
+            yield sse_event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                    "delta": {"type": "text_delta", "text": text}})
+        for call in msg.get("tool_calls") or []:
+            if text_open:
+                yield sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
+                index, text_open = index + 1, False
+            any_calls = True
+            block = _tool_block(call)
+            yield sse_event("content_block_start", {"type": "content_block_start", "index": index,
+                                                    "content_block": {**block, "input": {}}})
+            yield sse_event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
+                "type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
+            yield sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
+            index += 1
+        chunk = await anext(rest, None)
 
 
 # -- /v1/messages/count_tokens --------------------------------------------------------------------------------

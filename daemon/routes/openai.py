@@ -14,19 +14,20 @@ import json
 import secrets
 import struct
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from daemon.bodies import parse_model
-from daemon.compat import BadParam, first_then, get, shaped, openai_error, read_json, sse_data, sse_response, stops
+from daemon.compat import (BadParam, first_then, get, guarded, openai_error, read_json, shaped, sse_data, sse_response,
+                           stops)
 from daemon.inference import Inference
 from daemon.routes.embed import run_embed
 from daemon.routes.generate import run_chat, run_generate
 from daemon.schemas import ChatRequestBody, EmbedRequestBody, GenerateRequestBody
-from registry.errors import CorralError, InvalidRequest
+from registry.errors import InvalidRequest
 
 router = APIRouter()
 FINGERPRINT = "fp_corral"
@@ -43,26 +44,35 @@ def _id(prefix: str) -> str:
 # -- request translation --------------------------------------------------------------------------------------
 def _options(body: dict[str, Any]) -> dict[str, Any]:
     """Ollama options from an OpenAI body: defaults of 1.0, then ``options``, then the named OpenAI fields."""
+    _unsupported(body)
     opts: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0}
     extra = get(body, "options", "dict")
     if extra:
         opts.update(extra)
-    for name, option in (("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"),
-                         ("frequency_penalty", "frequency_penalty"), ("presence_penalty", "presence_penalty")):
-        value = get(body, name, "int" if name == "seed" else "num")
+    for name, kind, lo, hi in (("temperature", "num", 0, 2), ("top_p", "num", 0, 1), ("seed", "int", None, None),
+                               ("frequency_penalty", "num", -2, 2), ("presence_penalty", "num", -2, 2)):
+        value = get(body, name, kind, lo=lo, hi=hi)
         if value is not None:
-            opts[option] = value
-    limit = get(body, "max_completion_tokens", "int")
+            opts[name] = value
+    limit = get(body, "max_completion_tokens", "int", lo=0)
     if limit is None:
-        limit = get(body, "max_tokens", "int")
+        limit = get(body, "max_tokens", "int", lo=0)
     if limit is not None:
-        if limit < 0:
-            raise BadParam("max_tokens", "'max_tokens' must not be negative")
         opts["num_predict"] = limit
     stop = stops(body.get("stop"), "stop")
     if stop:
         opts["stop"] = stop
     return opts
+
+
+def _unsupported(body: dict[str, Any]) -> None:
+    """Refuse what would silently change the answer's meaning: several choices, or token biases."""
+    n = get(body, "n", "int", lo=1)
+    if n is not None and n > 1:
+        raise BadParam("n", "'n' must be 1: corral returns one choice per request (send several requests)")
+    if get(body, "logit_bias", "dict"):
+        raise BadParam("logit_bias", "'logit_bias' is not supported; use a grammar through response_format, or "
+                                     "leave it out")
 
 
 def _content_text(content: Any, where: str) -> tuple[str, list[str]]:
@@ -97,6 +107,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     if not raw:
         raise BadParam("messages", "'messages' must contain at least one message")
     out: list[dict[str, Any]] = []
+    names: dict[str, str] = {}  # tool call id -> function name, for tool messages that give only the id
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -107,16 +118,24 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if role not in ("system", "user", "assistant", "tool"):
             raise BadParam(f"{where}.role", f"'{where}.role' must be system, developer, user, assistant or tool, "
                                              f"got {role!r}")
+        calls = get(m, "tool_calls", "list", where=f"{where}.") if role == "assistant" else None
+        if m.get("content") is None and not calls:
+            raise BadParam(f"{where}.content", f"'{where}.content' is required (it may be null only in an "
+                                               "assistant message with tool_calls)")
         text, images = _content_text(m.get("content"), f"{where}.content")
         msg: dict[str, Any] = {"role": role, "content": text}
         if images:
             msg["images"] = images
-        if role == "assistant" and m.get("tool_calls"):
-            msg["tool_calls"] = [_ollama_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(m["tool_calls"])]
-        if role == "tool" and isinstance(m.get("tool_call_id"), str):
-            msg["tool_call_id"] = m["tool_call_id"]
-        if isinstance(m.get("name"), str) and role == "tool":
-            msg["tool_name"] = m["name"]
+        if calls:
+            msg["tool_calls"] = [_ollama_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+            names.update({c["id"]: c["function"]["name"] for c in msg["tool_calls"] if "id" in c})
+        if role == "tool":
+            call_id = get(m, "tool_call_id", "str", where=f"{where}.")
+            name = get(m, "name", "str", where=f"{where}.") or names.get(call_id or "")
+            if call_id:
+                msg["tool_call_id"] = call_id
+            if name:
+                msg["tool_name"] = name
         out.append(msg)
     return out
 
@@ -161,6 +180,8 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, Any]:
     """The tools to offer, and a format that forces a call when tool_choice asks for one."""
     tools = get(body, "tools", "list")
     choice = body.get("tool_choice")
+    if not tools and (choice == "required" or isinstance(choice, dict)):
+        raise BadParam("tool_choice", "'tool_choice' asks for a tool call, but no 'tools' are given")
     if not tools or choice == "none":
         return None, None
     for i, t in enumerate(tools):
@@ -222,11 +243,30 @@ def _usage(final: dict[str, Any]) -> dict[str, int]:
 
 
 def _logprob_request(body: dict[str, Any]) -> tuple[bool, int]:
-    want = get(body, "logprobs", "bool") or False
-    top = get(body, "top_logprobs", "int") or 0
-    if not 0 <= top <= 20:
-        raise BadParam("top_logprobs", "'top_logprobs' must be between 0 and 20")
-    return bool(want), top
+    want = bool(get(body, "logprobs", "bool"))
+    top = get(body, "top_logprobs", "int", lo=0, hi=20)
+    if top is not None and not want:
+        raise BadParam("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    return want, top or 0
+
+
+def _completion_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object; ``offset`` is where the first token starts in the text."""
+    tokens, values, tops, offsets = [], [], [], []
+    for e in entries:
+        tokens.append(e["token"])
+        values.append(e["logprob"])
+        tops.append({t["token"]: t["logprob"] for t in e.get("top_logprobs") or []})
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def openai_stream(frames: AsyncGenerator[bytes, None], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """OpenAI's SSE body: an error after the first event is an error event; ``data: [DONE]`` ends it."""
+    return guarded(frames, rest, lambda message: sse_data({"error": {"message": message, "type": "api_error",
+                                                                      "param": None, "code": None}}),
+                   b"data: [DONE]\n\n")
 
 
 # -- /v1/chat/completions -------------------------------------------------------------------------------------
@@ -253,7 +293,8 @@ async def chat_completions(request: Request) -> Response:
     cid, created = _id("chatcmpl"), int(time.time())
     if not stream:
         return JSONResponse(await _chat_whole(first, rest, cid, created, model, want_logprobs))
-    return sse_response(_chat_events(first, rest, cid, created, model, want_logprobs, include_usage))
+    return sse_response(openai_stream(_chat_events(first, rest, cid, created, model, want_logprobs, include_usage),
+                                      rest))
 
 
 async def _chat_whole(first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]], cid: str, created: int,
@@ -278,7 +319,7 @@ async def _chat_whole(first: dict[str, Any] | None, rest: AsyncIterator[dict[str
 
 
 async def _chat_events(first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]], cid: str, created: int,
-                       model: str, want_logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:
+                       model: str, want_logprobs: bool, include_usage: bool) -> AsyncGenerator[bytes, None]:
     def frame(delta: dict[str, Any], finish: str | None = None, lps: list[dict[str, Any]] | None = None
               ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish,
@@ -289,29 +330,23 @@ async def _chat_events(first: dict[str, Any] | None, rest: AsyncIterator[dict[st
     any_calls = False
     chunk = first
     sent_role = False
-    try:
-        while chunk is not None:
-            msg = chunk.get("message") or {}
-            if chunk.get("done"):
-                yield sse_data(frame({}, _finish(chunk.get("done_reason"), any_calls)))
-                if include_usage:
-                    yield sse_data({"id": cid, "object": "chat.completion.chunk", "created": created,
-                                    "model": model, "system_fingerprint": FINGERPRINT, "choices": [],
-                                    "usage": _usage(chunk)})
-                break
-            delta: dict[str, Any] = {} if sent_role else {"role": "assistant"}
-            sent_role = True
-            delta["content"] = msg.get("content") or ""
-            if msg.get("tool_calls"):
-                any_calls = True
-                delta["tool_calls"] = _openai_calls(msg["tool_calls"], with_index=True)
-            yield sse_data(frame(delta, None, chunk.get("logprobs")))
-            chunk = await anext(rest, None)
-    except CorralError as exc:
-        yield sse_data({"error": {"message": str(exc), "type": "api_error", "param": None, "code": None}})
-    finally:
-        await rest.aclose()  # type: ignore[attr-defined]
-    yield b"data: [DONE]\n\n"
+    while chunk is not None:
+        msg = chunk.get("message") or {}
+        if chunk.get("done"):
+            yield sse_data(frame({}, _finish(chunk.get("done_reason"), any_calls)))
+            if include_usage:
+                yield sse_data({"id": cid, "object": "chat.completion.chunk", "created": created,
+                                "model": model, "system_fingerprint": FINGERPRINT, "choices": [],
+                                "usage": _usage(chunk)})
+            break
+        delta: dict[str, Any] = {} if sent_role else {"role": "assistant"}
+        sent_role = True
+        delta["content"] = msg.get("content") or ""
+        if msg.get("tool_calls"):
+            any_calls = True
+            delta["tool_calls"] = _openai_calls(msg["tool_calls"], with_index=True)
+        yield sse_data(frame(delta, None, chunk.get("logprobs")))
+        chunk = await anext(rest, None)
 
 
 # -- /v1/completions ------------------------------------------------------------------------------------------
@@ -326,56 +361,63 @@ async def completions(request: Request) -> Response:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise BadParam("prompt", "'prompt' must be a string (one prompt per request)")
-    suffix = get(body, "suffix", "str") or ""
     echo = bool(get(body, "echo", "bool"))
     stream = bool(get(body, "stream", "bool"))
     include_usage = bool((get(body, "stream_options", "dict") or {}).get("include_usage"))
-    opts = _options(body)
-    req = parse_model(GenerateRequestBody, {"model": model, "prompt": prompt, "suffix": suffix, "options": opts,
-                                            "stream": stream, "raw": bool(body.get("raw", False)),
-                                            "keep_alive": body.get("keep_alive")})
+    top = get(body, "logprobs", "int", lo=0, hi=20)
+    req = parse_model(GenerateRequestBody, {
+        "model": model, "prompt": prompt, "suffix": get(body, "suffix", "str") or "", "options": _options(body),
+        "stream": stream, "raw": bool(get(body, "raw", "bool")), "keep_alive": body.get("keep_alive"),
+        "logprobs": top is not None, "top_logprobs": top or 0})
     final, chunks = await run_generate(inference(request), req, started)
     if chunks is None:  # an empty prompt only loads the model
         chunks = _single(final or {})
     first, rest = await first_then(chunks)
-    cid, created = _id("cmpl"), int(time.time())
-
-    def obj(text: str, finish: str | None, usage: dict[str, int] | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                               "system_fingerprint": FINGERPRINT,
-                               "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
-        if usage is not None:
-            out["usage"] = usage
-        return out
-
+    out = _Completion(model, prompt if echo else "", top is not None)
     if not stream:
-        text, last, chunk = (prompt if echo else ""), first or {}, first
+        return JSONResponse(await out.whole(first, rest))
+    return sse_response(openai_stream(out.events(first, rest, include_usage), rest))
+
+
+class _Completion:
+    """One ``text_completion`` reply, whole or as SSE chunks; ``echoed`` is the prompt when echo is on."""
+
+    def __init__(self, model: str, echoed: str, logprobs: bool) -> None:
+        self.id, self.created, self.model = _id("cmpl"), int(time.time()), model
+        self.echoed, self.logprobs = echoed, logprobs
+        self.offset = len(echoed)  # where the next token starts in the whole text (logprobs' text_offset)
+
+    def obj(self, text: str, finish: str | None, lps: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        logprobs = None
+        if self.logprobs:
+            logprobs = _completion_logprobs(lps or [], self.offset)
+            self.offset += sum(len(t) for t in logprobs["tokens"])
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "system_fingerprint": FINGERPRINT,
+                "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}]}
+
+    async def whole(self, first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
+        text, lps, last, chunk = self.echoed, [], first or {}, first
         while chunk is not None:
             text += chunk.get("response") or ""
+            lps += chunk.get("logprobs") or []
             last = chunk
             chunk = await anext(rest, None)
-        return JSONResponse(obj(text, _finish(last.get("done_reason"), False), _usage(last)))
+        return {**self.obj(text, _finish(last.get("done_reason"), False), lps), "usage": _usage(last)}
 
-    async def events() -> AsyncIterator[bytes]:
+    async def events(self, first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]],
+                     include_usage: bool) -> AsyncGenerator[bytes, None]:
+        if self.echoed:
+            yield sse_data(self.obj(self.echoed, None))
         chunk = first
-        try:
-            if echo:
-                yield sse_data(obj(prompt, None))
-            while chunk is not None:
-                if chunk.get("done"):
-                    yield sse_data(obj("", _finish(chunk.get("done_reason"), False)))
-                    if include_usage:
-                        yield sse_data({**obj("", None), "choices": [], "usage": _usage(chunk)})
-                    break
-                yield sse_data(obj(chunk.get("response") or "", None))
-                chunk = await anext(rest, None)
-        except CorralError as exc:
-            yield sse_data({"error": {"message": str(exc), "type": "api_error", "param": None, "code": None}})
-        finally:
-            await rest.aclose()  # type: ignore[attr-defined]
-        yield b"data: [DONE]\n\n"
-
-    return sse_response(events())
+        while chunk is not None:
+            if chunk.get("done"):
+                yield sse_data(self.obj("", _finish(chunk.get("done_reason"), False)))
+                if include_usage:
+                    yield sse_data({**self.obj("", None), "choices": [], "usage": _usage(chunk)})
+                break
+            yield sse_data(self.obj(chunk.get("response") or "", None, chunk.get("logprobs")))
+            chunk = await anext(rest, None)
 
 
 async def _single(final: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -397,12 +439,10 @@ async def embeddings(request: Request) -> Response:
     else:
         raise BadParam("input", "'input' must be a non-empty string or array of strings (token arrays are not "
                                 "accepted; send text)")
-    encoding = get(body, "encoding_format", "str") or "float"
+    encoding = (get(body, "encoding_format", "str") or "float").lower()
     if encoding not in ("float", "base64"):
         raise BadParam("encoding_format", "'encoding_format' must be float or base64")
-    dims = get(body, "dimensions", "int")
-    if dims is not None and dims <= 0:
-        raise BadParam("dimensions", "'dimensions' must be a positive integer")
+    dims = get(body, "dimensions", "int", lo=1)
     req = parse_model(EmbedRequestBody, {"model": model, "input": inputs, "dimensions": dims,
                                          "options": get(body, "options", "dict"),
                                          "keep_alive": body.get("keep_alive")})
