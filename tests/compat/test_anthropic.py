@@ -90,5 +90,9 @@ def test_errors_in_anthropic_shape(client: anthropic.Anthropic, v1_daemon: Daemo
         client.messages.create(model="smol", max_tokens=5, messages=[{"role": "user", "content": "x"}],
                                extra_body={"top_k": "many"})
     assert "top_k" in bad.value.message
+    with pytest.raises(anthropic.BadRequestError) as hot:
+        client.messages.create(model="smol", max_tokens=5, messages=[{"role": "user", "content": "x"}],
+                               extra_body={"temperature": 1.5})
+    assert "'temperature' must be between 0 and 1" in hot.value.message
     raw = httpx.post(v1_daemon.url + "/v1/messages", json={"model": "smol", "messages": []}, timeout=30)
     assert raw.status_code == 400 and raw.json()["type"] == "error"

@@ -124,7 +124,8 @@ def test_tool_call_round_trip(client: openai.OpenAI) -> None:
 
 def test_logprobs(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                       logprobs=True, top_logprobs=3, **GREEDY)
+                                       logprobs=True, top_logprobs=3, extra_body={"options": {"repeat_penalty": 1.0}},
+                                       **GREEDY)
     content = r.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content and len(content) == r.usage.completion_tokens  # type: ignore[union-attr]
     assert "".join(t.token for t in content) == r.choices[0].message.content
@@ -149,3 +150,37 @@ def test_errors_in_openai_shape(client: openai.OpenAI) -> None:
         client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "x"}],
                                        extra_body={"options": {"num_ctx": "big"}})
     assert "num_ctx" in opt.value.message
+
+
+def test_completions_logprobs(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="smol", prompt="The sky is", max_tokens=4, logprobs=2, echo=True,
+                                  extra_body={"options": {"repeat_penalty": 1.0}}, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert lp and lp.tokens and lp.token_logprobs and lp.top_logprobs and lp.text_offset
+    assert "The sky is" + "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset[0] == len("The sky is")
+    assert all(len(top) <= 2 and v <= 0 for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    # greedy without a repeat penalty picks the most likely token (logprobs are the model's, before penalties)
+    assert lp.token_logprobs[0] == pytest.approx(max(lp.top_logprobs[0].values()))
+
+
+@pytest.mark.parametrize("kwargs, param, words", [
+    ({"n": 2}, "n", "must be 1"),
+    ({"temperature": 3}, "temperature", "between 0 and 2"),
+    ({"max_tokens": -1}, "max_tokens", "at least 0"),
+    ({"top_logprobs": 2}, "top_logprobs", "logprobs"),
+    ({"tool_choice": "required"}, "tool_choice", "no 'tools'"),
+    ({"logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+    ({"stop": ["a", 1]}, "stop", "array of strings"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", "json_schema"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "required"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "robot"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]},
+     "messages[0].content[0].image_url", "never fetches"),
+])
+def test_bad_parameters_are_named(client: openai.OpenAI, kwargs: dict[str, object], param: str, words: str) -> None:
+    body: dict[str, object] = {"model": "smol", "messages": [{"role": "user", "content": "x"}], **kwargs}
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(**body)  # type: ignore[call-overload]
+    assert bad.value.body["param"] == param and words in bad.value.message  # type: ignore[index]
+    assert bad.value.body["type"] == "invalid_request_error"  # type: ignore[index]
