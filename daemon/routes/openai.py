@@ -54,9 +54,9 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
         value = get(body, name, kind, lo=lo, hi=hi)
         if value is not None:
             opts[name] = value
-    limit = get(body, "max_completion_tokens", "int", lo=0)
+    limit = get(body, "max_completion_tokens", "int", lo=1)
     if limit is None:
-        limit = get(body, "max_tokens", "int", lo=0)
+        limit = get(body, "max_tokens", "int", lo=1)
     if limit is not None:
         opts["num_predict"] = limit
     stop = stops(body.get("stop"), "stop")

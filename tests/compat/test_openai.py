@@ -167,7 +167,7 @@ def test_completions_logprobs(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize("kwargs, param, words", [
     ({"n": 2}, "n", "must be 1"),
     ({"temperature": 3}, "temperature", "between 0 and 2"),
-    ({"max_tokens": -1}, "max_tokens", "at least 0"),
+    ({"max_tokens": 0}, "max_tokens", "at least 1"),
     ({"top_logprobs": 2}, "top_logprobs", "logprobs"),
     ({"tool_choice": "required"}, "tool_choice", "no 'tools'"),
     ({"logit_bias": {"1": 5}}, "logit_bias", "not supported"),
