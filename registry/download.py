@@ -6,10 +6,13 @@ once, in order, each with its own ``Range`` GET, written with ``pwrite`` at its 
 when the download stops) in ``blobs/sha256-<hex>-partial.json``, after the bytes it counts were written, so a
 download stopped in any way (the daemon killed, a client gone, the network down) resumes where it stopped.
 
-While parts arrive, a hasher thread follows the contiguous prefix of the file and feeds it to SHA-256, so the
-digest is known moments after the last byte. Only if it matches does the file move into ``blobs/``; otherwise it
-is deleted and the pull fails with "digest mismatch". A part that fails is retried with exponential backoff; one
-that receives nothing for ``read_timeout`` seconds ("stalled") is restarted without counting as a retry.
+While parts arrive, a hasher thread follows the contiguous prefix of the file (through a memory map, without
+copying it) and feeds it to SHA-256, so the digest is known moments after the last byte. Only if it matches does
+the file move into ``blobs/``; otherwise it is deleted and the pull fails with "digest mismatch". The blob is
+fsync'd right after it moves, while the waiting pulls go on to write their manifests: on a fast link, making the
+pull wait for gigabytes to reach the disk would cost more than the download itself. A part that fails is retried
+with exponential backoff; one that receives nothing for ``read_timeout`` seconds ("stalled") is restarted without
+counting as a retry.
 
 :class:`Downloads` is the daemon's table of downloads in flight: two pulls that need the same blob share one
 :class:`Download`, and when every pull waiting on a download has gone, it is cancelled (its progress kept).
@@ -17,10 +20,12 @@ that receives nothing for ``read_timeout`` seconds ("stalled") is restarted with
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import logging
+import mmap
 import os
 import threading
 import time
@@ -59,7 +64,6 @@ class Tuning:
     save_interval: float = 0.5
     buffer: int = 1 * MiB
     hash_buffer: int = 8 * MiB
-    flush_every: int = 64 * MiB
 
 
 @dataclass
@@ -151,8 +155,10 @@ class Download:
     # -- the download ---------------------------------------------------------------------------------------------
     def _run(self) -> None:
         started = time.monotonic()
+        stored = False
         try:
             self._download()
+            stored = True
             log.info("blob downloaded digest=%s bytes=%d fetched=%d resumed=%d seconds=%.2f", self.digest,
                      self.total, self.fetched, self.resumed, time.monotonic() - started)
         except BaseException as exc:  # noqa: BLE001 - every outcome is reported to the waiting pulls
@@ -167,6 +173,8 @@ class Download:
             self.finished.set()
             with self.cond:
                 self.cond.notify_all()
+        if stored:  # the waiting pulls go on; the bytes reach the disk meanwhile
+            self.store.sync_blob(self.digest)
 
     def _download(self) -> None:
         self._prepare()
@@ -252,8 +260,6 @@ class Download:
         result: dict[str, str | None] = {}
         hasher = threading.Thread(target=self._hash, args=(result,), name=f"hash-{self.digest.short}", daemon=True)
         hasher.start()
-        flusher = threading.Thread(target=self._flush, name=f"flush-{self.digest.short}", daemon=True)
-        flusher.start()
         workers = [threading.Thread(target=self._worker, args=(i == 0,), name=f"part-{self.digest.short}-{i}",
                                     daemon=True) for i in range(n if pending else 0)]
         for w in workers:
@@ -263,9 +269,6 @@ class Download:
         if self._failure is not None or (self._stop.is_set() and not all(p.done for p in self.parts)):
             self._halt()
         hasher.join()
-        with self.cond:
-            self.cond.notify_all()
-        flusher.join()
         self._save(force=True)
         if isinstance(self._failure, _Restart):
             raise self._failure
@@ -381,25 +384,6 @@ class Download:
             self.on_bytes(n)
         self._save()
 
-    def _flush(self) -> None:
-        """Push written data to disk as the download goes, so that the fsync before the rename finds little
-        left to do (and the kernel's dirty-page throttling never kicks in)."""
-        flushed = self.completed
-        while True:
-            with self.cond:
-                while (not self._stop.is_set() and self.completed < self.total
-                       and self.completed - flushed < self.tuning.flush_every):
-                    self.cond.wait(0.5)
-                target, finished = self.completed, self._stop.is_set() or self.completed >= self.total
-            if target > flushed:
-                try:
-                    os.fdatasync(self._fd)
-                except OSError as exc:  # the fsync before the rename reports it
-                    log.debug("fdatasync failed digest=%s error=%s", self.digest.short, exc)
-                flushed = target
-            if finished:
-                return
-
     # -- hashing ------------------------------------------------------------------------------------------------
     def _available(self, pos: int, index: int) -> tuple[int, int]:
         """Bytes ready to hash at ``pos`` within its part, and that part's index (call with the lock held)."""
@@ -412,26 +396,31 @@ class Download:
         return max(0, p.offset + p.completed - pos), index
 
     def _hash(self, result: dict[str, str | None]) -> None:
+        """Hash the file's contiguous prefix as it grows, reading it through a memory map (no copies)."""
         h = hashlib.sha256()
-        view = memoryview(bytearray(self.tuning.hash_buffer))
+        step = self.tuning.hash_buffer
         pos, index = 0, 0
         try:
-            while pos < self.total:
-                with self.cond:
-                    while True:
-                        ready, index = self._available(pos, index)
-                        if ready or self._stop.is_set():
-                            break
-                        self.cond.wait(0.5)
-                if not ready:
-                    return  # the download stopped
-                n = os.preadv(self._fd, [view[: min(ready, len(view))]], pos)
-                if n <= 0:
-                    raise StoreError(f"could not read back {self.store.partial_path(self.digest)} at {pos}")
-                h.update(view[:n])
-                pos += n
+            with contextlib.ExitStack() as stack:
+                if self.total:
+                    mapped = stack.enter_context(mmap.mmap(self._fd, self.total, access=mmap.ACCESS_READ))
+                    with contextlib.suppress(AttributeError, OSError):
+                        mapped.madvise(mmap.MADV_SEQUENTIAL)
+                    view = stack.enter_context(memoryview(mapped))
+                while pos < self.total:
+                    with self.cond:
+                        while True:
+                            ready, index = self._available(pos, index)
+                            if ready or self._stop.is_set():
+                                break
+                            self.cond.wait(0.5)
+                    if not ready:
+                        return  # the download stopped
+                    n = min(ready, step)
+                    h.update(view[pos : pos + n])
+                    pos += n
             result["digest"] = h.hexdigest()
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             with self.cond:
                 if self._failure is None:
                     self._failure = StoreError(f"could not read back the download of {self.digest}: {exc}")

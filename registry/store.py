@@ -279,21 +279,29 @@ class Store:
                 path.unlink()
 
     def commit_partial(self, digest: Digest) -> None:
-        """Move a finished, verified download into place as the blob (fsync'd, mode 0644)."""
+        """Move a finished, verified download into place as the blob (mode 0644), without waiting for the disk:
+        the downloader calls :meth:`sync_blob` afterwards, so a pull need not wait for gigabytes to reach it."""
         src, final = self.partial_path(digest), self.blob_path(digest)
         try:
-            fd = os.open(src, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
             os.chmod(src, 0o644)
             os.replace(src, final)
-            _fsync_dir(final.parent)
         except OSError as exc:
             raise StoreError(f"could not store blob {digest}: {exc.strerror or exc}") from exc
         with contextlib.suppress(FileNotFoundError):
             self.partial_state_path(digest).unlink()
+
+    def sync_blob(self, digest: Digest) -> None:
+        """fsync a blob and the blobs directory (errors are logged: the data is already verified and in place)."""
+        path = self.blob_path(digest)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            log.warning("could not fsync blob digest=%s error=%s", digest, exc)
+        _fsync_dir(path.parent)
 
     def partial_digests(self) -> set[Digest]:
         """Digests that have partial download files."""
