@@ -11,8 +11,9 @@ copying it) and feeds it to SHA-256, so the digest is known moments after the la
 the file move into ``blobs/``; otherwise it is deleted and the pull fails with "digest mismatch". The blob is
 fsync'd right after it moves, while the waiting pulls go on to write their manifests: on a fast link, making the
 pull wait for gigabytes to reach the disk would cost more than the download itself. A part that fails is retried
-with exponential backoff; one that receives nothing for ``read_timeout`` seconds ("stalled") is restarted without
-counting as a retry.
+with exponential backoff; one that receives nothing for ``read_timeout`` seconds ("stalled"), or crawls at a tenth
+of the median rate of the others (the "stuck at 99%" tail), is restarted from where it got to without counting
+as a retry.
 
 :class:`Downloads` is the daemon's table of downloads in flight: two pulls that need the same blob share one
 :class:`Download`, and when every pull waiting on a download has gone, it is cancelled (its progress kept).
@@ -20,6 +21,7 @@ counting as a retry.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import hashlib
@@ -58,6 +60,8 @@ class Tuning:
     min_part: int = 16 * MiB
     max_part: int = 256 * MiB
     read_timeout: float = 30.0
+    laggard_after: float = 10.0  # a part may be judged slow once it has run this long...
+    laggard_ratio: float = 0.1  # ...and is below this fraction of the median rate of the parts running
     max_retries: int = 6
     max_stalls: int = 10
     backoff: float = 1.0
@@ -125,6 +129,7 @@ class Download:
         self._url = self.blob_url
         self._resolved = threading.Event()
         self._readers: set[RangeReader] = set()
+        self._rates: collections.deque[float] = collections.deque(maxlen=16)  # of the last responses finished
         self._next = 0
         self._fd = -1
         self._last_save = 0.0
@@ -264,8 +269,9 @@ class Download:
                                     daemon=True) for i in range(n if pending else 0)]
         for w in workers:
             w.start()
-        for w in workers:
-            w.join()
+        while any(w.is_alive() for w in workers):
+            next(w for w in workers if w.is_alive()).join(1.0)
+            self._drop_laggards()
         if self._failure is not None or (self._stop.is_set() and not all(p.done for p in self.parts)):
             self._halt()
         hasher.join()
@@ -283,6 +289,25 @@ class Download:
             self.store.remove_partial(self.digest)
             raise BlobDigestMismatch(str(self.digest), f"sha256:{actual}")
         self.store.commit_partial(self.digest)
+
+    def _drop_laggards(self) -> None:
+        """Restart a part far slower than the others (the cure for a pull "stuck at 99%" on one bad connection).
+
+        A part that has run ``laggard_after`` seconds below ``laggard_ratio`` of the median rate of the parts
+        running and the last ones finished is cut off; its worker opens a new connection from where it got to (counted as a stall)."""
+        now = time.monotonic()
+        with self.cond:
+            readers = list(self._readers)
+            rates = sorted([*self._rates, *(r.rate(now) for r in readers)])
+        if not readers or len(rates) < 3:
+            return
+        median = rates[len(rates) // 2]
+        for r in readers:
+            if (not r.laggard and now - r.opened >= self.tuning.laggard_after
+                    and r.rate(now) < self.tuning.laggard_ratio * median):
+                log.info("restarting a slow part digest=%s rate=%.0f median=%.0f", self.digest.short, r.rate(now),
+                         median)
+                r.drop_as_laggard()
 
     # -- workers ------------------------------------------------------------------------------------------------
     def _take(self) -> Part | None:
@@ -336,6 +361,8 @@ class Download:
                 finally:
                     with self.cond:
                         self._readers.discard(reader)
+                        if not reader.laggard and reader.received:
+                            self._rates.append(reader.rate(time.monotonic()))
                     reader.close()
             except Stalled as exc:
                 stalls += 1

@@ -24,6 +24,7 @@ import http.client
 import re
 import socket
 import ssl
+import time
 import urllib.parse
 import urllib.request
 
@@ -61,9 +62,13 @@ class RangeReader:
         self.response = response
         self.remaining = length
         self.url = url
+        self.opened = time.monotonic()
+        self.received = 0
+        self.laggard = False  # aborted for being far slower than the other parts
 
     def readinto(self, view: memoryview) -> int:
-        """Up to ``len(view)`` bytes of the range; raises :class:`Transient` if the body ends early."""
+        """Up to ``len(view)`` bytes of the range; raises :class:`Transient` if the body ends early, and
+        :class:`Stalled` if nothing arrives within the timeout or the reader was dropped as a laggard."""
         if self.remaining <= 0:
             return 0
         if len(view) > self.remaining:
@@ -73,11 +78,25 @@ class RangeReader:
         except TimeoutError as exc:
             raise Stalled(str(exc)) from exc
         except (OSError, http.client.HTTPException, ValueError) as exc:
+            if self.laggard:
+                raise Stalled("far slower than the other parts") from exc
             raise Transient(f"connection lost: {exc or type(exc).__name__}") from exc
         if n == 0:
+            if self.laggard:
+                raise Stalled("far slower than the other parts")
             raise Transient(f"the body ended {self.remaining} bytes early")
         self.remaining -= n
+        self.received += n
         return n
+
+    def rate(self, now: float) -> float:
+        """Bytes per second since the response began."""
+        return self.received / max(now - self.opened, 1e-3)
+
+    def drop_as_laggard(self) -> None:
+        """From another thread: end this response so that its part starts again on a fresh connection."""
+        self.laggard = True
+        self.abort()
 
     def abort(self) -> None:
         """From another thread: make a blocked read return now."""

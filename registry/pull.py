@@ -27,6 +27,7 @@ from typing import Any
 from registry.digest import Digest
 from registry.download import Download, Downloads, Tuning
 from registry.errors import (
+    BlobNotFound,
     InsecureRegistry,
     InsufficientSpace,
     InvalidManifest,
@@ -117,7 +118,7 @@ class Puller:
             blobs = [*manifest.layers, manifest.config]
             pinned = {b.digest for b in blobs}
             self.downloads.pin(pinned)
-            missing = [b for b in blobs if not self.store.has_blob(b.digest)]
+            missing = [b for b in blobs if not self._present(b)]
             self._check_space(name, missing)
             active: dict[Digest, Download] = {}
             for layer in missing:
@@ -154,6 +155,19 @@ class Puller:
                         d.wait(CANCEL_WAIT)
             self.downloads.unpin(pinned)
             remote.release()
+
+    def _present(self, layer: Layer) -> bool:
+        """Is the blob here, whole? One of the wrong size (cut short by a crash before it reached the disk) is
+        downloaded again; it is replaced only once the new copy verifies, so a lying manifest cannot destroy it."""
+        try:
+            size = self.store.blob_size(layer.digest)
+        except BlobNotFound:
+            return False
+        if size != layer.size:
+            log.warning("blob has %d bytes, the manifest says %d; downloading it again digest=%s", size, layer.size,
+                        layer.digest)
+            return False
+        return True
 
     def _download(self, remote: RegistryClient, layer: Layer) -> Download:
         return Download(self.store, layer.digest, layer.size, remote, tuning=self.tuning, on_bytes=self.on_bytes)

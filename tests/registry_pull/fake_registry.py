@@ -3,7 +3,7 @@
 It serves ``/v2/<ns>/<model>/manifests/<tag>``, ``/v2/<ns>/<model>/blobs/<digest>`` (with ``Range``) and the
 upload endpoints, counts every request and byte it sends, and can: require a Bearer token (with any realm) or
 Basic credentials, redirect blob GETs to another server, throttle, corrupt a blob, ignore ``Range``, fail the
-first N blob requests, stall, and serve any raw manifest with any headers. :class:`ServerThread` runs an app under
+first N blob requests, stall or crawl, and serve any raw manifest with any headers. :class:`ServerThread` runs an app under
 uvicorn on an ephemeral 127.0.0.1 port in a thread.
 """
 
@@ -80,6 +80,8 @@ class FakeRegistry:
     fail_blob_gets: int = 0  # answer this many blob GETs with 500 first
     stall_blob_gets: int = 0  # this many blob GETs send half their bytes and then go silent
     stall_seconds: float = 5.0
+    slow_blob_gets: int = 0  # this many blob GETs crawl at slow_rate bytes/s
+    slow_rate: float = 20_000.0
     error_body: bytes | None = None  # serve this as the body of 500s
     fail_patches: int = 0  # answer this many upload PATCHes with 503 (dropping their bytes)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -201,12 +203,16 @@ class FakeRegistry:
             stall = not fail and self.stall_blob_gets > 0
             if stall:
                 self.stall_blob_gets -= 1
+            slow = not fail and not stall and self.slow_blob_gets > 0
+            if slow:
+                self.slow_blob_gets -= 1
         if fail:
             return await self.respond(record, send, 500, self.error_body or b'{"errors":[{"code":"FLAKY"}]}')
         if digest in self.corrupt:
             data = bytes([data[0] ^ 0xFF]) + data[1:] if data else b"x"
         await serve_bytes(record, send, data, headers.get("range"), ignore_range=self.ignore_range,
-                          throttle=self.throttle, stall=self.stall_seconds if stall else 0.0)
+                          throttle=self.slow_rate if slow else self.throttle,
+                          stall=self.stall_seconds if stall else 0.0)
 
     async def upload(self, record: Seen, method: str, upload_id: str, query: str, body: bytes, send: Send) -> None:
         if method == "POST":

@@ -10,6 +10,7 @@ import gzip
 import json
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -289,6 +290,21 @@ def test_stalled_part_is_restarted(fake: tuple[FakeRegistry, ServerThread], stor
     tuning = Tuning(streams=2, part_size=64 * 1024, read_timeout=0.5, backoff=0.01, buffer=16 * 1024)
     assert pull(store, f"{server.host}/ns/m", tuning=tuning)[-1] == {"status": "success"}
     assert store.blob_path(Digest.parse(digest_of(data))).read_bytes() == data
+
+
+def test_a_crawling_part_is_restarted(fake: tuple[FakeRegistry, ServerThread], store: Store) -> None:
+    registry, server = fake
+    data = os.urandom(2 * 1024 * 1024)
+    registry.add_model("ns/m", "latest", [(MODEL_TYPE, data)])
+    registry.slow_blob_gets = 1  # the first part would take 13 s at 20 kB/s
+    tuning = Tuning(streams=4, part_size=256 * 1024, laggard_after=0.5, backoff=0.01, buffer=16 * 1024)
+    started = time.monotonic()
+    assert pull(store, f"{server.host}/ns/m", tuning=tuning)[-1] == {"status": "success"}
+    assert time.monotonic() - started < 8
+    assert store.blob_path(Digest.parse(digest_of(data))).read_bytes() == data
+    first_part = [s.headers["range"] for s in registry.requests("GET", digest_of(data))
+                  if s.headers["range"].endswith(f"-{256 * 1024 - 1}")]
+    assert first_part[0] == f"bytes=0-{256 * 1024 - 1}" and len(first_part) == 2  # cut off, then asked again
 
 
 def test_not_enough_disk_space(fake: tuple[FakeRegistry, ServerThread], store: Store) -> None:

@@ -215,6 +215,18 @@ def test_damaged_partial_state_starts_afresh(fake: tuple[FakeRegistry, ServerThr
     assert store.blob_path(digest).read_bytes() == data
 
 
+def test_a_blob_of_the_wrong_size_is_fetched_again(fake: tuple[FakeRegistry, ServerThread], tmp_path: Path) -> None:
+    registry, server = fake
+    data = os.urandom(100_000)
+    registry.add_model("ns/m", "latest", [(MODEL_TYPE, data)])
+    store = Store(tmp_path / "models")
+    digest = Digest.parse(digest_of(data))
+    store.blob_path(digest).write_bytes(data[:5000])  # as a crash before writeback could leave it
+    lines = list(Puller(store, Downloads(), threading.RLock(), prune=True).run(f"{server.host}/ns/m", insecure=True))
+    assert lines[-1] == {"status": "success"}
+    assert store.blob_path(digest).read_bytes() == data
+
+
 def test_pull_replaces_a_tag_and_removes_unused_layers(fake: tuple[FakeRegistry, ServerThread],
                                                        tmp_path: Path) -> None:
     registry, server = fake
