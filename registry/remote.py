@@ -325,16 +325,16 @@ class RegistryClient:
     def answer_challenge(self, headers: Mapping[str, str], sent: Mapping[str, str]) -> None:
         """Handle a 401's ``WWW-Authenticate``: fetch a Bearer token or switch to Basic, or raise unauthorized.
 
-        ``sent`` is what the failed request carried: a challenge repeated after we already answered it means the
-        registry refused us.
+        ``sent`` is what the failed request carried. A token that was sent may simply have expired, so a new one
+        is fetched (callers answer one challenge per request: a second 401 means the registry refused us).
         """
         header = headers.get("www-authenticate", "")
         scheme, params = parse_challenge(header) if header else ("", {})
         with self._auth_lock:
             tried = sent.get("Authorization", "")
             if scheme == "bearer":
-                if tried.startswith("Bearer ") and tried == f"Bearer {self._token}":
-                    raise self.unauthorized()
+                if self._token and tried != f"Bearer {self._token}":
+                    return  # another request fetched a fresh token meanwhile
                 self._token = self._fetch_token(params)
             elif scheme == "basic":
                 if self.credentials is None or tried.startswith("Basic "):

@@ -373,6 +373,23 @@ def test_bearer_token_flow(fake: tuple[FakeRegistry, ServerThread], store: Store
     assert "scope=repository%3Ax%3Apull" in token_request.path and "service=fake" in token_request.path
 
 
+def test_an_expired_token_is_renewed(fake: tuple[FakeRegistry, ServerThread], store: Store) -> None:
+    registry, server = fake
+    data = os.urandom(300_000)
+    registry.add_model("ns/m", "latest", [(MODEL_TYPE, data)])
+    registry.bearer_token = "first"
+    registry.throttle = 500_000
+    puller = make_puller(store)
+    it = puller.run(f"{server.host}/ns/m", insecure=True)
+    lines = [next(it), next(it)]
+    registry.bearer_token = "second"  # the registry rotates its tokens mid-pull
+    registry.throttle = None
+    lines += list(it)
+    assert lines[-1] == {"status": "success"}
+    assert len([s for s in registry.requests("GET", "/token") if s.status == 200]) == 2
+    assert store.blob_path(Digest.parse(digest_of(data))).read_bytes() == data
+
+
 def test_token_realm_on_another_host_is_refused(fake: tuple[FakeRegistry, ServerThread], store: Store,
                                                 tmp_path: Path) -> None:
     registry, server = fake
