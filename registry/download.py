@@ -8,9 +8,8 @@ download stopped in any way (the daemon killed, a client gone, the network down)
 
 While parts arrive, a hasher thread follows the contiguous prefix of the file (through a memory map, without
 copying it) and feeds it to SHA-256, so the digest is known moments after the last byte. Only if it matches does
-the file move into ``blobs/``; otherwise it is deleted and the pull fails with "digest mismatch". The blob is
-fsync'd right after it moves, while the waiting pulls go on to write their manifests: on a fast link, making the
-pull wait for gigabytes to reach the disk would cost more than the download itself. A part that fails is retried
+the file move into ``blobs/``; otherwise it is deleted and the pull fails with "digest mismatch". The pull
+fsyncs the blob once it has answered (see ``registry/pull.py``). A part that fails is retried
 with exponential backoff; one that receives nothing for ``read_timeout`` seconds ("stalled"), or crawls at a tenth
 of the median rate of the others (the "stuck at 99%" tail), is restarted from where it got to without counting
 as a retry.
@@ -41,7 +40,15 @@ from registry.errors import (
     RegistryUnreachable,
     StoreError,
 )
-from registry.fetch import RangeIgnored, RangeReader, Rejected, Stalled, Transient, open_range
+from registry.fetch import (
+    RangeIgnored,
+    RangeReader,
+    Rejected,
+    Stalled,
+    Transient,
+    WriteFailed,
+    open_range,
+)
 from registry.remote import RegistryClient, backoff
 from registry.store import Store
 
@@ -160,10 +167,8 @@ class Download:
     # -- the download ---------------------------------------------------------------------------------------------
     def _run(self) -> None:
         started = time.monotonic()
-        stored = False
         try:
             self._download()
-            stored = True
             log.info("blob downloaded digest=%s bytes=%d fetched=%d resumed=%d seconds=%.2f", self.digest,
                      self.total, self.fetched, self.resumed, time.monotonic() - started)
         except BaseException as exc:  # noqa: BLE001 - every outcome is reported to the waiting pulls
@@ -178,8 +183,6 @@ class Download:
             self.finished.set()
             with self.cond:
                 self.cond.notify_all()
-        if stored:  # the waiting pulls go on; the bytes reach the disk meanwhile
-            self.store.sync_blob(self.digest)
 
     def _download(self) -> None:
         self._prepare()
@@ -294,7 +297,8 @@ class Download:
         """Restart a part far slower than the others (the cure for a pull "stuck at 99%" on one bad connection).
 
         A part that has run ``laggard_after`` seconds below ``laggard_ratio`` of the median rate of the parts
-        running and the last ones finished is cut off; its worker opens a new connection from where it got to (counted as a stall)."""
+        running and the last ones finished is cut off; its worker opens a new connection from where it got to
+        (counted as a stall)."""
         now = time.monotonic()
         with self.cond:
             readers = list(self._readers)
@@ -354,8 +358,7 @@ class Download:
                     self._readers.add(reader)
                 try:
                     while reader.remaining and not self._stop.is_set():
-                        n = reader.readinto(view)
-                        self._write(view[:n], part.offset + part.completed)
+                        n = reader.transfer(self._fd, part.offset + part.completed, view)
                         progressed = True
                         self._advance(part, n)
                 finally:
@@ -388,18 +391,12 @@ class Download:
                     return
             except RangeIgnored as exc:
                 raise _Restart() from exc
-
-    def _write(self, data: memoryview, offset: int) -> None:
-        while data:
-            try:
-                n = os.pwrite(self._fd, data, offset)
-            except OSError as exc:
-                if exc.errno == errno.ENOSPC:
+            except WriteFailed as exc:
+                if exc.error.errno == errno.ENOSPC:
                     raise StoreError(f"disk full while downloading blob {self.digest.short} into "
                                      f"{self.store.blobs_dir}") from exc
-                raise StoreError(f"cannot write {self.store.partial_path(self.digest)}: {exc.strerror or exc}") \
-                    from exc
-            data, offset = data[n:], offset + n
+                raise StoreError(f"cannot write {self.store.partial_path(self.digest)}: "
+                                 f"{exc.error.strerror or exc.error}") from exc
 
     def _advance(self, part: Part, n: int) -> None:
         with self.cond:

@@ -140,6 +140,7 @@ class Puller:
             log.info("pulled model=%s layers=%d size=%d fetched=%d seconds=%.2f", name.short(),
                      len(manifest.layers), manifest.size, sum(d.fetched for d in active.values()),
                      time.monotonic() - started)
+            self._sync_later([d.digest for d in active.values()])
             yield {"status": "success"}
         except GeneratorExit:  # the client went away: leave at once, the downloads wind down by themselves
             raise
@@ -168,6 +169,18 @@ class Puller:
                         layer.digest)
             return False
         return True
+
+    def _sync_later(self, digests: list[Digest]) -> None:
+        """fsync the blobs this pull fetched, in the background.
+
+        Waiting for gigabytes to reach the disk would cost a fast pull more than the download itself (and on
+        ext4, fsyncing the blob before the manifest makes the manifest's own fsync wait for it), so the pull
+        answers first. Until the kernel or this thread has written a blob back (about a second per GB), a power
+        loss could leave it damaged under a verified name; ``corral rm`` and pulling again repairs that.
+        """
+        if digests:
+            threading.Thread(target=lambda: [self.store.sync_blob(d) for d in digests], name="sync-blobs",
+                             daemon=True).start()
 
     def _download(self, remote: RegistryClient, layer: Layer) -> Download:
         return Download(self.store, layer.digest, layer.size, remote, tuning=self.tuning, on_bytes=self.on_bytes)

@@ -280,7 +280,8 @@ class Store:
 
     def commit_partial(self, digest: Digest) -> None:
         """Move a finished, verified download into place as the blob (mode 0644), without waiting for the disk:
-        the downloader calls :meth:`sync_blob` afterwards, so a pull need not wait for gigabytes to reach it."""
+        the puller calls :meth:`sync_blob` once it has answered, so a pull need not wait for gigabytes to reach
+        it."""
         src, final = self.partial_path(digest), self.blob_path(digest)
         try:
             os.chmod(src, 0o644)

@@ -3,8 +3,8 @@
 It serves ``/v2/<ns>/<model>/manifests/<tag>``, ``/v2/<ns>/<model>/blobs/<digest>`` (with ``Range``) and the
 upload endpoints, counts every request and byte it sends, and can: require a Bearer token (with any realm) or
 Basic credentials, redirect blob GETs to another server, throttle, corrupt a blob, ignore ``Range``, fail the
-first N blob requests, stall or crawl, and serve any raw manifest with any headers. :class:`ServerThread` runs an app under
-uvicorn on an ephemeral 127.0.0.1 port in a thread.
+first N blob requests, stall or crawl, and serve any raw manifest with any headers. :class:`ServerThread` runs an
+app under uvicorn on an ephemeral 127.0.0.1 port in a thread.
 """
 
 from __future__ import annotations
