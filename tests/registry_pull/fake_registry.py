@@ -313,15 +313,15 @@ class Holder:
 class ServerThread:
     """Run an ASGI app with uvicorn on an ephemeral 127.0.0.1 port, in a daemon thread."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, *, certfile: str | None = None, keyfile: str | None = None) -> None:
         self.app = app
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = int(self.sock.getsockname()[1])
         self.host = f"127.0.0.1:{self.port}"
-        self.url = f"http://{self.host}"
+        self.url = f"{'https' if certfile else 'http'}://{self.host}"
         config = uvicorn.Config(app, log_level="critical", lifespan="off", access_log=False,
-                                timeout_graceful_shutdown=1)
+                                timeout_graceful_shutdown=1, ssl_certfile=certfile, ssl_keyfile=keyfile)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

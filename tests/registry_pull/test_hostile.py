@@ -109,6 +109,45 @@ def test_pull_from_fake_registry(fake: tuple[FakeRegistry, ServerThread], store:
     assert len(registry.requests("GET", digest_of(data))) >= 4
 
 
+def test_pull_without_splice(fake: tuple[FakeRegistry, ServerThread], store: Store,
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The readinto + pwrite path (TLS, chunked bodies, other systems) on its own."""
+    import registry.fetch
+
+    monkeypatch.setattr(registry.fetch, "SPLICE", False)
+    registry_, server = fake
+    data = os.urandom(300_000)
+    registry_.add_model("ns/m", "v1", [(MODEL_TYPE, data)])
+    assert pull(store, f"{server.host}/ns/m:v1")[-1] == {"status": "success"}
+    assert store.blob_path(Digest.parse(digest_of(data))).read_bytes() == data
+
+
+def test_pull_over_tls(store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registry on HTTPS (a throwaway self-signed certificate): no --insecure needed, token and blobs over TLS."""
+    import shutil
+    import ssl
+    import subprocess
+
+    import registry.remote
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out",
+                    str(cert)], check=True, capture_output=True)
+    monkeypatch.setattr(registry.remote, "ssl_context", lambda: ssl.create_default_context(cafile=str(cert)))
+    reg = FakeRegistry()
+    data = os.urandom(300_000)
+    reg.add_model("ns/m", "v1", [(MODEL_TYPE, data)])
+    reg.bearer_token = "tls-token"
+    with ServerThread(reg, certfile=str(cert), keyfile=str(key)) as server:
+        reg.realm = f"{server.url}/token"
+        assert pull(store, f"{server.host}/ns/m:v1", insecure=False)[-1] == {"status": "success"}
+    assert store.blob_path(Digest.parse(digest_of(data))).read_bytes() == data
+    assert len(reg.requests("GET", digest_of(data))) >= 4
+
+
 def test_blobs_already_present_are_not_fetched_again(fake: tuple[FakeRegistry, ServerThread], store: Store) -> None:
     registry, server = fake
     data = os.urandom(100_000)
