@@ -80,7 +80,8 @@ class FakeRegistry:
     fail_blob_gets: int = 0  # answer this many blob GETs with 500 first
     stall_blob_gets: int = 0  # this many blob GETs send half their bytes and then go silent
     stall_seconds: float = 5.0
-    slow_blob_gets: int = 0  # this many blob GETs crawl at slow_rate bytes/s
+    slow_blob_gets: int = 0  # this many GETs of slow_digest crawl at slow_rate bytes/s
+    slow_digest: str = ""
     slow_rate: float = 20_000.0
     error_body: bytes | None = None  # serve this as the body of 500s
     fail_patches: int = 0  # answer this many upload PATCHes with 503 (dropping their bytes)
@@ -203,7 +204,7 @@ class FakeRegistry:
             stall = not fail and self.stall_blob_gets > 0
             if stall:
                 self.stall_blob_gets -= 1
-            slow = not fail and not stall and self.slow_blob_gets > 0
+            slow = not fail and not stall and self.slow_blob_gets > 0 and digest == self.slow_digest
             if slow:
                 self.slow_blob_gets -= 1
         if fail:

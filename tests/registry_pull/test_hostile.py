@@ -336,6 +336,7 @@ def test_a_crawling_part_is_restarted(fake: tuple[FakeRegistry, ServerThread], s
     data = os.urandom(2 * 1024 * 1024)
     registry.add_model("ns/m", "latest", [(MODEL_TYPE, data)])
     registry.slow_blob_gets = 1  # the first part would take 13 s at 20 kB/s
+    registry.slow_digest = digest_of(data)
     tuning = Tuning(streams=4, part_size=256 * 1024, laggard_after=0.5, backoff=0.01, buffer=16 * 1024)
     started = time.monotonic()
     assert pull(store, f"{server.host}/ns/m", tuning=tuning)[-1] == {"status": "success"}
