@@ -135,6 +135,7 @@ class Download:
         self._failure: BaseException | None = None
         self._url = self.blob_url
         self._resolved = threading.Event()
+        self._workers_done = threading.Event()  # no worker can add bytes any more (the hasher may then give up)
         self._readers: set[RangeReader] = set()
         self._rates: collections.deque[float] = collections.deque(maxlen=16)  # of the last responses finished
         self._next = 0
@@ -265,6 +266,7 @@ class Download:
         pending = sum(1 for p in self.parts if not p.done)
         n = max(1, min(streams or self.tuning.streams, pending))
         self._resolved.clear()
+        self._workers_done.clear()
         result: dict[str, str | None] = {}
         hasher = threading.Thread(target=self._hash, args=(result,), name=f"hash-{self.digest.short}", daemon=True)
         hasher.start()
@@ -275,6 +277,9 @@ class Download:
         while any(w.is_alive() for w in workers):
             next(w for w in workers if w.is_alive()).join(1.0)
             self._drop_laggards()
+        with self.cond:
+            self._workers_done.set()
+            self.cond.notify_all()
         if self._failure is not None or (self._stop.is_set() and not all(p.done for p in self.parts)):
             self._halt()
         hasher.join()
@@ -435,7 +440,8 @@ class Download:
                     with self.cond:
                         while True:
                             ready, index = self._available(pos, index)
-                            if ready or self._stop.is_set():
+                            # Stopped, the hasher still waits for the workers: a part may finish as it stops.
+                            if ready or (self._stop.is_set() and self._workers_done.is_set()):
                                 break
                             self.cond.wait(0.5)
                     if not ready:
