@@ -1,16 +1,22 @@
-"""Many users at once: aggregate tokens/s and time to first token, corral against llama-cpp-python's stock server.
+"""Many users at once: aggregate tokens/s and time to first token, corral against the servers that batch.
 
-Usage: .venv/bin/python bench/batching.py [--tokens 64] [--streams 1,4,8,16] [--write docs/benchmarks.md]
+Usage: bench/setup_peers.sh && .venv/bin/python bench/batching.py [--tokens 64] [--streams 1,4,8,16] [--rounds 3]
+       [--write docs/benchmarks.md]
 
-Both servers load the same GGUF (SmolLM2-135M-Instruct, scripts/fetch_smollm2.py) on 127.0.0.1 with the same
-num_ctx and threads, one after the other in the same run, so they never compete for the 2 cores. Each stream
-asks for ``--tokens`` tokens at temperature 0 through the streaming API; aggregate tokens/s is the sum of the
-tokens generated over the wall time from the first request to the last token. Time to first token is taken per
-stream (p50, p95). The second-turn check sends a chat with a ~1,000-token history, then the same history plus one
-more turn, and compares the two times to first token.
+Every server loads the same GGUF (SmolLM2-135M-Instruct, scripts/fetch_smollm2.py) on 127.0.0.1 with the same
+num_ctx per sequence, parallel sequences and threads, one after the other, so they never compete for the 2 cores.
+The peers: llama.cpp's llama-server and llama-cpp-python's batched example server (both from the llama-cpp-python
+sdist that bench/setup_peers.sh unpacks and builds), and llama-cpp-python's stock server. Each round starts every
+server in turn (the order rotating between rounds) and runs every load level; the tables show medians over the
+rounds, which is what makes a ratio on a noisy 2-core machine worth reading.
 
-The peer needs llama-cpp-python's server extras: ``pip install sse-starlette starlette-context
-pydantic-settings`` (bench-only; corral does not depend on them).
+Each stream asks for ``--tokens`` tokens at temperature 0 through the streaming API; aggregate tokens/s is the sum
+of the tokens generated over the wall time from the first request to the last token. Time to first token is taken
+per stream (p50, p95). The second-turn check sends a chat with a ~1,000-token history, then the same history plus
+one more turn, and compares the two times to first token.
+
+The peers need llama-cpp-python's server extras (``pip install sse-starlette starlette-context pydantic-settings``,
+bench-only; corral does not depend on them); bench/setup_peers.sh installs them.
 """
 
 from __future__ import annotations
@@ -230,26 +236,37 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--slots", type=int, default=4, help="parallel sequences for every server")
     ap.add_argument("--peers", default="llama-server,batched-example,llama-cpp-python-server")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of every server; the tables show medians")
     ap.add_argument("--write", type=Path)
     args = ap.parse_args()
     gguf = smollm2_path()
     if gguf is None:
         sys.exit("SmolLM2 is not cached: run scripts/fetch_smollm2.py")
     levels = [int(x) for x in args.streams.split(",")]
-    table: dict[str, dict[int, dict[str, float]]] = {}
-    turns: dict[str, tuple[float, float]] = {}
+    chosen = {"llama-server": LlamaServer, "batched-example": BatchedExampleServer,
+              "llama-cpp-python-server": LlamaCppPythonServer}
+    servers = [Corral, *(chosen[p] for p in args.peers.split(",") if p)]
+    runs: dict[str, dict[int, list[dict[str, float]]]] = {cls.name: {n: [] for n in levels} for cls in servers}
+    turn_runs: dict[str, list[tuple[float, float]]] = {cls.name: [] for cls in servers}
     with tempfile.TemporaryDirectory() as tmp:
-        chosen = {"llama-server": LlamaServer, "batched-example": BatchedExampleServer,
-                  "llama-cpp-python-server": LlamaCppPythonServer}
-        for cls in [Corral, *(chosen[p] for p in args.peers.split(",") if p)]:
-            server = cls(gguf, args.ctx, Path(tmp), args.slots)
-            try:
-                server.stream(PROMPTS[0], 8)  # warm up
-                table[server.name] = {n: load_test(server, n, args.tokens) for n in levels}
-                turns[server.name] = second_turn(server)
-            finally:
-                server.close()
-            print(server.name, table[server.name], turns[server.name], flush=True)
+        for r in range(args.rounds):
+            for cls in servers[r % len(servers):] + servers[:r % len(servers)]:
+                work = Path(tmp) / f"{r}-{cls.__name__}"
+                work.mkdir()
+                server = cls(gguf, args.ctx, work, args.slots)
+                try:
+                    server.stream(PROMPTS[0], 8)  # warm up
+                    for n in levels:
+                        runs[cls.name][n].append(load_test(server, n, args.tokens))
+                    turn_runs[cls.name].append(second_turn(server))
+                finally:
+                    server.close()
+                print(f"round {r + 1}", cls.name, {n: round(runs[cls.name][n][-1]["tps"], 1) for n in levels},
+                      turn_runs[cls.name][-1], flush=True)
+    table = {name: {n: {k: statistics.median(x[k] for x in per[n]) for k in ("tps", "p50", "p95")} for n in levels}
+             for name, per in runs.items()}
+    turns = {name: (statistics.median(a for a, _ in t), statistics.median(b for _, b in t))
+             for name, t in turn_runs.items()}
     lines = render(table, turns, levels, args)
     print("\n".join(lines))
     if args.write:
@@ -263,15 +280,16 @@ def render(table: dict[str, dict[int, dict[str, float]]], turns: dict[str, tuple
     lines = [
         "## Many users at once: continuous batching (issue 7)", "",
         f"Command: `bench/setup_peers.sh && .venv/bin/python bench/batching.py --tokens {args.tokens} "
-        f"--streams {args.streams} --ctx {args.ctx} --slots {args.slots} --write docs/benchmarks.md`", "",
+        f"--streams {args.streams} --ctx {args.ctx} --slots {args.slots} --rounds {args.rounds} "
+        "--write docs/benchmarks.md`", "",
         f"SmolLM2-135M-Instruct Q4_1, CPU only, 2 cores, num_ctx {args.ctx} per sequence, {args.slots} parallel "
         f"sequences for every server that batches, {args.tokens} tokens per stream at temperature 0, streaming. "
         "Peers: llama.cpp's `llama-server` built from the llama.cpp sources vendored in the llama-cpp-python 0.3.36 "
         "sdist (`-np` slots, `-c` = num_ctx x slots); that sdist's batched example server "
         "(`examples/server/server.py`, `n_seq_max` slots); llama-cpp-python's stock server (`python -m "
         "llama_cpp.server --interrupt_requests false`: one request at a time; by default a new request cuts off the "
-        "one streaming). Servers run one after the other in the same run. Aggregate generated tokens/s; ratio = "
-        "corral / best peer.", "",
+        f"one streaming). Servers run one after the other in the same run, in {args.rounds} rounds (the order rotating); "
+        "each number is the median over the rounds. Aggregate generated tokens/s; ratio = corral / best peer.", "",
         "| streams | corral | " + " | ".join(peers) + " | corral / best peer |",
         "|---|---|" + "---|" * len(peers) + "---|",
     ]

@@ -34,7 +34,7 @@ from registry.errors import (
     RegistryProtocolError,
     StoreError,
 )
-from registry.manifest import Layer, Manifest
+from registry.manifest import Layer, Manifest, layer_progress
 from registry.names import ModelName
 from registry.remote import RegistryClient
 from registry.store import Store, disk_bytes
@@ -71,14 +71,6 @@ def check_manifest(raw: bytes, name: ModelName) -> Manifest:
             raise RegistryProtocolError(f"the manifest of {name.short()} lists blob {layer.digest} more than once")
         seen.add(layer.digest)
     return manifest
-
-
-def progress(layer: Layer, completed: int) -> dict[str, Any]:
-    line: dict[str, Any] = {"status": f"pulling {layer.digest.short}", "digest": str(layer.digest),
-                            "total": layer.size}
-    if completed:
-        line["completed"] = completed
-    return line
 
 
 class Puller:
@@ -211,7 +203,7 @@ class Puller:
             if d is not None:
                 d.prepared.wait(PREPARE_WAIT)
             shown[layer.digest] = layer.size if d is None else d.completed
-            yield progress(layer, shown[layer.digest])
+            yield layer_progress("pulling", layer, shown[layer.digest])
         while True:
             running = [d for d in active.values() if not d.finished.is_set()]
             if running:
@@ -223,7 +215,7 @@ class Puller:
                 done = layer.size if d.finished.is_set() and d.error is None else d.completed
                 if done != shown[layer.digest]:
                     shown[layer.digest] = done
-                    yield progress(layer, done)
+                    yield layer_progress("pulling", layer, done)
             if not running:
                 return
             if any(d.error is not None for d in active.values()):

@@ -24,7 +24,7 @@ import httpx
 
 from registry.digest import Digest
 from registry.errors import CorralError, InsecureRegistry, RegistryError, RegistryUnreachable
-from registry.manifest import MANIFEST_MEDIA_TYPE, Layer, Manifest
+from registry.manifest import MANIFEST_MEDIA_TYPE, Layer, Manifest, layer_progress
 from registry.names import ModelName
 from registry.remote import RegistryClient, backoff
 from registry.store import Store
@@ -38,14 +38,6 @@ MAX_CHUNK_RETRIES = 4
 
 class _Stop(Exception):
     """Internal: the pushing client went away."""
-
-
-def progress(layer: Layer, completed: int) -> dict[str, Any]:
-    line: dict[str, Any] = {"status": f"pushing {layer.digest.short}", "digest": str(layer.digest),
-                            "total": layer.size}
-    if completed:
-        line["completed"] = completed
-    return line
 
 
 def media_type(raw: bytes) -> str:
@@ -164,9 +156,9 @@ class Pusher:
             remote.release()
 
     def _blob(self, remote: RegistryClient, layer: Layer) -> Iterator[dict[str, Any]]:
-        yield progress(layer, 0)
+        yield layer_progress("pushing", layer, 0)
         if remote.has_blob(layer.digest):
-            yield progress(layer, layer.size)
+            yield layer_progress("pushing", layer, layer.size)
             return
         upload = Upload(remote, self.store, layer.digest, layer.size, chunk=self.chunk, retry_wait=self.retry_wait)
         upload.thread.start()
@@ -176,7 +168,7 @@ class Pusher:
                 upload.thread.join(self.interval)
                 if upload.sent != shown and upload.error is None:
                     shown = upload.sent
-                    yield progress(layer, shown)
+                    yield layer_progress("pushing", layer, shown)
         finally:
             upload.stop.set()  # if the client went away, the upload stops at its next piece
         if upload.error is not None:
@@ -186,4 +178,4 @@ class Pusher:
                 raise RegistryError(f"upload of blob {layer.digest.short} failed: {upload.error}") from upload.error
             raise upload.error
         if shown != layer.size:
-            yield progress(layer, layer.size)
+            yield layer_progress("pushing", layer, layer.size)
