@@ -26,7 +26,10 @@ class ListenError(CorralError):
 def bind(settings: Settings) -> socket.socket:
     host = settings.host.bind_host.strip("[]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose proto says TCP, and
+    # accepted sockets inherit it. With Nagle on, a response's body waits ~40 ms behind its headers for the
+    # client's delayed ACK, and streamed tokens arrive in bursts.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, settings.host.port))

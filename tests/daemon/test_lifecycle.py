@@ -63,3 +63,24 @@ def test_second_daemon_on_same_store_refuses(daemon: Daemon) -> None:
                        timeout=60)
     assert r.returncode == 1
     assert "already in use by corral (pid" in r.stderr and "CORRAL_MODELS" in r.stderr
+
+
+def test_responses_are_not_held_back_by_nagle(daemon: Daemon) -> None:
+    """On a kept-alive connection a response's body follows its headers at once. With Nagle's algorithm on the
+    daemon's sockets the body waits for the client's delayed ACK (~40 ms on Linux) on every request after the
+    first, and streamed tokens arrive in bursts."""
+    import socket
+
+    host, port = daemon.host.rsplit(":", 1)
+    times = []
+    with socket.create_connection((host, int(port))) as s:
+        for _ in range(6):
+            start = time.perf_counter()
+            s.sendall(f"GET /api/version HTTP/1.1\r\nHost: {daemon.host}\r\n\r\n".encode())
+            got = b""
+            while b"}" not in got:
+                chunk = s.recv(65536)
+                assert chunk, "the daemon closed the connection"
+                got += chunk
+            times.append(time.perf_counter() - start)
+    assert min(times[1:]) < 0.025, f"kept-alive responses took {[round(t * 1000) for t in times]} ms"
