@@ -4,11 +4,11 @@ Usage: bench/setup_peers.sh && .venv/bin/python bench/batching.py [--tokens 64] 
        [--write docs/benchmarks.md]
 
 Every server loads the same GGUF (SmolLM2-135M-Instruct, scripts/fetch_smollm2.py) on 127.0.0.1 with the same
-num_ctx per sequence, parallel sequences and threads, one after the other, so they never compete for the 2 cores.
-The peers: llama.cpp's llama-server and llama-cpp-python's batched example server (both from the llama-cpp-python
-sdist that bench/setup_peers.sh unpacks and builds), and llama-cpp-python's stock server. Each round starts every
-server in turn (the order rotating between rounds) and runs every load level; the tables show medians over the
-rounds, which is what makes a ratio on a noisy 2-core machine worth reading.
+num_ctx per sequence, parallel sequences and threads. The peers: llama.cpp's llama-server and llama-cpp-python's
+batched example server (both from the llama-cpp-python sdist that bench/setup_peers.sh unpacks and builds), and
+llama-cpp-python's stock server. All of them are up at once (the script checks that idle they use no CPU) and
+take turns: at each load level every server runs in an order that rotates between rounds, so the slow drifts of a
+shared 2-core machine hit every server alike. The tables show medians over the rounds.
 
 Each stream asks for ``--tokens`` tokens at temperature 0 through the streaming API; aggregate tokens/s is the sum
 of the tokens generated over the wall time from the first request to the last token. Time to first token is taken
@@ -22,6 +22,7 @@ bench-only; corral does not depend on them); bench/setup_peers.sh installs them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import concurrent.futures as cf
 import json
 import os
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -61,9 +63,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-# One pooled client for every request: a new httpx client per request costs ~20 ms of CPU (its TLS context), which
-# on 2 cores would be taken from whichever server is being measured.
-CLIENT = httpx.Client(limits=httpx.Limits(max_connections=64, max_keepalive_connections=64), timeout=600)
+# One client for every request: a new httpx client per request costs ~20 ms of CPU (its TLS context), which on 2
+# cores would be taken from whichever server is being measured. Each request still gets its own connection
+# (llama-server closes a kept-alive connection after a few requests, which a pool would trip over).
+CLIENT = httpx.Client(limits=httpx.Limits(max_connections=64), headers={"Connection": "close"}, timeout=600)
 
 
 def wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
@@ -100,7 +103,10 @@ class Corral:
         httpx.post(self.url + "/api/generate", json={"model": "bench"}, timeout=120).raise_for_status()
 
     def stream(self, prompt: str, tokens: int) -> tuple[float, int]:
-        body = {"model": "bench", "prompt": prompt, "options": {"temperature": 0, "num_predict": tokens}}
+        # raw: the same prompt tokens the peers' /v1/completions evaluate (no chat template); repeat_penalty 1.0:
+        # the peers' default (Ollama's is 1.1)
+        body = {"model": "bench", "prompt": prompt, "raw": True,
+                "options": {"temperature": 0, "num_predict": tokens, "repeat_penalty": 1.0}}
         start, first, count = time.perf_counter(), 0.0, 0
         with CLIENT.stream("POST", self.url + "/api/generate", json=body) as r:
             for line in r.iter_lines():
@@ -207,6 +213,23 @@ class LlamaServer(OpenAIPeer):
                     str(os.cpu_count()), "--host", "127.0.0.1", "--port", "{port}", "-a", "bench"], "/health")
 
 
+def check_idle(servers: list[Corral]) -> None:
+    """Refuse to measure while an idle server burns CPU: it would slow whichever server is being measured."""
+    procs = {}
+    for server in servers:
+        root = psutil.Process(server.proc.pid)
+        procs[server.name] = [root, *root.children(recursive=True)]
+
+    def cpu(ps: list[psutil.Process]) -> float:
+        return sum(p.cpu_times().user + p.cpu_times().system for p in ps)
+
+    before = {name: cpu(ps) for name, ps in procs.items()}
+    time.sleep(3)
+    busy = {name: (cpu(ps) - before[name]) / 3 for name, ps in procs.items()}
+    if any(v > 0.05 for v in busy.values()):
+        sys.exit(f"servers busy while idle (CPU fraction): {busy}")
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
@@ -222,8 +245,10 @@ def load_test(server: Corral, streams: int, tokens: int) -> dict[str, float]:
     return {"tps": sum(r[1] for r in results) / wall, "p50": pct(ttfts, 0.5) * 1000, "p95": pct(ttfts, 0.95) * 1000}
 
 
-def second_turn(server: Corral) -> tuple[float, float]:
-    history = [{"role": "system", "content": "You are a careful assistant who remembers everything. " * 12}]
+def second_turn(server: Corral, nonce: int) -> tuple[float, float]:
+    # the nonce opens the history, so no server has the first turn cached from an earlier round
+    history = [{"role": "system", "content": f"Session {nonce}. " + "You are a careful assistant who remembers "
+                "everything. " * 12}]
     for i in range(24):
         history.append({"role": "user", "content": f"Note number {i}: the {i}th box holds {i * 7} red marbles."})
         history.append({"role": "assistant", "content": f"Noted: box {i} has {i * 7} red marbles."})
@@ -253,21 +278,27 @@ def main() -> None:
     servers = [Corral, *(chosen[p] for p in args.peers.split(",") if p)]
     runs: dict[str, dict[int, list[dict[str, float]]]] = {cls.name: {n: [] for n in levels} for cls in servers}
     turn_runs: dict[str, list[tuple[float, float]]] = {cls.name: [] for cls in servers}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        up: list[Corral] = []
+        for cls in servers:
+            work = Path(tmp) / cls.__name__
+            work.mkdir()
+            server = cls(gguf, args.ctx, work, args.slots)
+            stack.callback(server.close)
+            server.stream(PROMPTS[0], 8)  # warm up
+            up.append(server)
+        check_idle(up)
+        # Every measurement is taken with all the servers up (idle ones use no CPU), the servers taking turns at
+        # each load level in an order that rotates: the machine's slow drifts then hit every server alike.
         for r in range(args.rounds):
-            for cls in servers[r % len(servers):] + servers[:r % len(servers)]:
-                work = Path(tmp) / f"{r}-{cls.__name__}"
-                work.mkdir()
-                server = cls(gguf, args.ctx, work, args.slots)
-                try:
-                    server.stream(PROMPTS[0], 8)  # warm up
-                    for n in levels:
-                        runs[cls.name][n].append(load_test(server, n, args.tokens))
-                    turn_runs[cls.name].append(second_turn(server))
-                finally:
-                    server.close()
-                print(f"round {r + 1}", cls.name, {n: round(runs[cls.name][n][-1]["tps"], 1) for n in levels},
-                      turn_runs[cls.name][-1], flush=True)
+            for n in levels:
+                for server in up[r % len(up):] + up[:r % len(up)]:
+                    runs[server.name][n].append(load_test(server, n, args.tokens))
+            for server in up:
+                turn_runs[server.name].append(second_turn(server, r))
+            for server in up:
+                print(f"round {r + 1}", server.name, {n: round(runs[server.name][n][-1]["tps"], 1) for n in levels},
+                      [round(x) for x in turn_runs[server.name][-1]], flush=True)
     table = {name: {n: {k: statistics.median(x[k] for x in per[n]) for k in ("tps", "p50", "p95")} for n in levels}
              for name, per in runs.items()}
     turns = {name: (statistics.median(a for a, _ in t), statistics.median(b for _, b in t))
@@ -288,13 +319,14 @@ def render(table: dict[str, dict[int, dict[str, float]]], turns: dict[str, tuple
         f"--streams {args.streams} --ctx {args.ctx} --slots {args.slots} --rounds {args.rounds} "
         "--write docs/benchmarks.md`", "",
         f"SmolLM2-135M-Instruct Q4_1, CPU only, 2 cores, num_ctx {args.ctx} per sequence, {args.slots} parallel "
-        f"sequences for every server that batches, {args.tokens} tokens per stream at temperature 0, streaming. "
+        f"sequences for every server that batches, {args.tokens} tokens per stream at temperature 0, streaming, the same "
+        "raw prompt for every server (corral: `/api/generate` with `raw`; the peers: `/v1/completions`). "
         "Peers: llama.cpp's `llama-server` built from the llama.cpp sources vendored in the llama-cpp-python 0.3.36 "
         "sdist (`-np` slots, `-c` = num_ctx x slots); that sdist's batched example server "
         "(`examples/server/server.py`, `n_seq_max` slots); llama-cpp-python's stock server (`python -m "
         "llama_cpp.server --interrupt_requests false`: one request at a time; by default a new request cuts off the "
-        f"one streaming). Servers run one after the other in the same run, in {args.rounds} rounds (the order rotating); "
-        "each number is the median over the rounds. Aggregate generated tokens/s; ratio = corral / best peer.", "",
+        f"one streaming). All servers are up at once (idle, they use no CPU: checked) and take turns at each load "
+        f"level, in an order that rotates, {args.rounds} rounds; each number is the median over the rounds. Aggregate generated tokens/s; ratio = corral / best peer.", "",
         "| streams | corral | " + " | ".join(peers) + " | corral / best peer |",
         "|---|---|" + "---|" * len(peers) + "---|",
     ]
