@@ -148,7 +148,11 @@ def main() -> int:
             f"Model SmolLM2-135M-Instruct Q4_1, greedy, {args.tokens} tokens, num_ctx {args.ctx}, {threads} threads, "
             f"CPU only, {os.cpu_count()} cores; medians of {len(corral_runs)} runs per side, sides alternated. "
             "Load time for corral is a load-only request (runner process start + model load); in-process it is the "
-            "Llama() constructor plus the llama_cpp import.\n\n" + table + "\n"
+            "Llama() constructor plus the llama_cpp import.\n\n" + table + "\n\n"
+            "Why corral decodes faster than llama-cpp-python in-process: the runner drives llama.cpp's low-level API "
+            "(one `llama_decode` per step) and samples with numpy over the logits, where `Llama.generate` builds its "
+            "candidate array and runs its sampler chain per token in Python. Load time is higher because it includes "
+            "starting the runner process (Python, numpy and the llama_cpp import) before the model loads.\n"
         )
         marker = "\n## Inference: daemon vs in-process (issue 3)\n"
         if marker in text:
