@@ -55,7 +55,7 @@ def default_estimator(catalog: Catalog) -> Callable[[ModelRef, LoadSpec], Memory
         info = read_gguf_file(spec.model_path)
         est = estimate(info, num_ctx=spec.num_ctx, num_parallel=spec.num_parallel, num_batch=spec.num_batch,
                        n_gpu_layers=spec.num_gpu)
-        return MemoryUse(ram=est.ram, vram=est.vram)
+        return MemoryUse(ram=est.ram + spec.prompt_cache, vram=est.vram)
 
     return run
 

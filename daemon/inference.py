@@ -176,6 +176,7 @@ class Inference:
         if num_gpu < 0:
             num_gpu = self.choose_gpu_layers(ctx, num_ctx, num_batch, num_parallel)
         num_thread = int(opts["num_thread"]) or self.physical_cores
+        prompt_cache = 0 if embedding else self.prompt_cache_for(ctx, num_ctx, num_batch, num_parallel, num_gpu)
         return LoadSpec(
             model_path=str(ctx.model_path),
             adapters=ctx.adapters,
@@ -186,6 +187,7 @@ class Inference:
             use_mmap=opts.get("use_mmap"),
             num_parallel=num_parallel,
             embedding=embedding,
+            prompt_cache=prompt_cache,
         )
 
     def parallel_for(self, ctx: ModelContext, num_ctx: int, num_batch: int) -> int:
@@ -202,6 +204,19 @@ class Inference:
             if (self.ram_budget <= 0 or est.ram <= self.ram_budget) and est.vram <= max(self.vram_budget, 0):
                 return parallel
         return 1
+
+    def prompt_cache_for(self, ctx: ModelContext, num_ctx: int, num_batch: int, num_parallel: int,
+                         num_gpu: int) -> int:
+        """Host RAM for the sequences a runner saves when it reuses a slot: as much as the slots' KV cache, when
+        the model and that much more fit the RAM budget together (else none: the model itself comes first)."""
+        from daemon.memory import estimate
+
+        est = estimate(ctx.info, num_ctx=num_ctx, num_parallel=num_parallel, num_batch=num_batch,
+                       n_gpu_layers=num_gpu)
+        want = est.kv_per_layer * len(est.weights_per_layer)
+        if self.ram_budget > 0 and est.ram + want > self.ram_budget:
+            return 0
+        return want
 
     def choose_gpu_layers(self, ctx: ModelContext, num_ctx: int, num_batch: int, num_parallel: int = 1) -> int:
         if self.vram_budget <= 0:

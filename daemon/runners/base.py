@@ -40,6 +40,7 @@ class LoadSpec:
     use_mmap: bool | None = None
     num_parallel: int = 1
     embedding: bool = False
+    prompt_cache: int = 0  # bytes of host RAM for sequences saved from reused slots (counted as the model's RAM)
 
 
 @dataclass(frozen=True)

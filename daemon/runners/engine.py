@@ -7,7 +7,10 @@ A new request takes the idle slot whose tokens share the longest prefix with its
 busy slot is copied over with ``llama_memory_seq_cp``) and evaluates only the rest. Every step puts one token
 for each decoding sequence in the batch and fills what is left of ``n_batch`` with chunks of waiting prompts,
 so newcomers join at the next step while the others keep decoding; finished or cancelled sequences leave at
-once. Sampling is vectorised over all rows (``sampling.py``); grammars (JSON, JSON schema) are applied per
+once. When a slot is about to be overwritten, the sequence it holds is saved to host RAM (``llama_state_seq_*``,
+within ``cache_bytes``, least recently saved dropped first); a later request whose prompt continues a saved
+sequence further than any slot does gets it restored instead of evaluating it again (a conversation that lost
+its slot to other users comes back without re-reading its history). Sampling is vectorised over all rows (``sampling.py``); grammars (JSON, JSON schema) are applied per
 sequence with llama.cpp's grammar sampler. A sequence that fills its ``num_ctx`` shifts its context like
 Ollama (keep ``num_keep``, drop half of the rest) unless ``shift`` is false.
 
@@ -39,6 +42,19 @@ PROMPT_TOO_LONG = (
 TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
 
 Emit = Callable[[dict[str, Any]], None]
+
+
+SAVE_MIN_TOKENS = 64  # a slot's tail shorter than this is cheaper to evaluate again than to save and restore
+RESTORE_MIN_GAIN = 16  # restore only when it saves at least this many tokens over the best slot
+
+
+@dataclass
+class Saved:
+    """A sequence's KV state kept in host RAM after its slot was given to another request."""
+
+    tokens: list[int]
+    data: Any  # ctypes byte array from llama_state_seq_get_data
+    size: int
 
 
 class EngineError(Exception):
@@ -97,8 +113,11 @@ class Seq:
 
 class Engine:
     def __init__(self, lc: Any, ctx: Any, vocab: Any, *, n_parallel: int, n_ctx_slot: int, n_batch: int,
-                 emit: Emit, chunk: int | None = None) -> None:
+                 emit: Emit, chunk: int | None = None, cache_bytes: int = 0) -> None:
         self.lc, self.ctx, self.vocab = lc, ctx, vocab
+        self.cache_bytes = max(0, cache_bytes)
+        self.saved: list[Saved] = []  # oldest first
+        self.saved_size = 0
         self.mem = lc.llama_get_memory(ctx)
         self.n_vocab = int(lc.llama_vocab_n_tokens(vocab))
         self.n_parallel, self.n_ctx_slot, self.n_batch = n_parallel, n_ctx_slot, n_batch
@@ -229,7 +248,20 @@ class Engine:
             donor_len = common_prefix(donor.tokens, seq.prompt)
             reuse = min(reuse, len(seq.prompt) - 1)
             donor_len = min(donor_len, len(seq.prompt) - 1)
-            if donor is not best and donor_len > reuse:
+            hit, hit_len = self._find_saved(seq.prompt)
+            if len(best.tokens) - reuse >= SAVE_MIN_TOKENS:
+                self._save(best)  # what it holds beyond the shared prefix is about to be overwritten
+            restored = False
+            if hit is not None and hit_len >= max(reuse, donor_len) + RESTORE_MIN_GAIN:
+                restored = self._restore(hit, best)
+                if not restored:  # the slot was emptied: nothing of it to reuse
+                    reuse = 0
+                    donor_len = min(common_prefix(donor.tokens, seq.prompt), len(seq.prompt) - 1)
+            if restored:
+                self.lc.llama_memory_seq_rm(self.mem, best.seq_id, hit_len, -1)
+                best.tokens = best.tokens[:hit_len]
+                reuse = hit_len
+            elif donor is not best and donor_len > reuse:
                 # a slot is its own KV stream, and llama.cpp copies between streams only whole: copy, then trim
                 self.lc.llama_memory_seq_rm(self.mem, best.seq_id, -1, -1)
                 self.lc.llama_memory_seq_cp(self.mem, donor.seq_id, best.seq_id, -1, -1)
@@ -242,6 +274,56 @@ class Engine:
             seq.slot, best.seq = best, seq
             seq.pending = list(seq.prompt[reuse:])
             seq.prompt_eval_count = max(1, len(seq.pending))
+
+    # -- sequences kept in host RAM ------------------------------------------------------------------------------
+    def _find_saved(self, prompt: list[int]) -> tuple[Saved | None, int]:
+        best: Saved | None = None
+        best_len = 0
+        for entry in self.saved:
+            n = common_prefix(entry.tokens, prompt)
+            if n > best_len:
+                best, best_len = entry, n
+        return best, min(best_len, len(prompt) - 1)
+
+    def _save(self, slot: Slot) -> None:
+        """Copy the slot's sequence to host RAM (unless it is already there or does not fit ``cache_bytes``)."""
+        if self.cache_bytes <= 0 or not slot.tokens:
+            return
+        tokens = slot.tokens
+        if any(common_prefix(e.tokens, tokens) == len(tokens) for e in self.saved):
+            return  # a saved sequence already covers it
+        size = int(self.lc.llama_state_seq_get_size(self.ctx, slot.seq_id))
+        if size <= 0 or size > self.cache_bytes:
+            return
+        data = (ctypes.c_uint8 * size)()
+        if int(self.lc.llama_state_seq_get_data(self.ctx, data, size, slot.seq_id)) != size:
+            return
+        self._drop(lambda e: common_prefix(e.tokens, tokens) == len(e.tokens))  # it covers these
+        self.saved.append(Saved(tokens=list(tokens), data=data, size=size))
+        self.saved_size += size
+        while self.saved_size > self.cache_bytes:
+            self._drop(lambda e: e is self.saved[0])
+
+    def _drop(self, which: Callable[[Saved], bool]) -> None:
+        keep = []
+        for entry in self.saved:
+            if which(entry):
+                self.saved_size -= entry.size
+            else:
+                keep.append(entry)
+        self.saved = keep
+
+    def _restore(self, entry: Saved, slot: Slot) -> bool:
+        """Load a saved sequence into ``slot`` (it leaves the saved list: the slot holds it now)."""
+        self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+        read = int(self.lc.llama_state_seq_set_data(self.ctx, entry.data, entry.size, slot.seq_id))
+        self._drop(lambda e: e is entry)
+        if read <= 0:
+            self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+            slot.tokens = []
+            return False
+        slot.tokens = list(entry.tokens)
+        return True
 
     def _reap_cancelled(self) -> None:
         with self._cv:

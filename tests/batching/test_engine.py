@@ -85,6 +85,35 @@ def test_eight_concurrent_greedy_requests_match_alone(batched: Daemon) -> None:
 
 @pytest.mark.real_model
 @pytest.mark.skipif(SMOL is None, reason="SmolLM2 is not cached")
+def test_a_conversation_that_lost_its_slot_comes_back_from_ram(batched: Daemon) -> None:
+    """Four other users take every slot; the first conversation's history was saved to host RAM when its slot
+    was reused, so its next turn is restored, not read again, and answers exactly as before."""
+    history = [{"role": "system", "content": "You are a patient librarian. " * 30}]
+    history += [{"role": "user", "content": f"Shelf {i} holds {i * 3} books about birds."} for i in range(15)]
+
+    def ask(messages: list[dict[str, str]], n: int = 12) -> dict[str, object]:
+        r = httpx.post(batched.url + "/api/chat", json={
+            "model": "smol", "messages": messages, "stream": False,
+            "options": {"temperature": 0, "num_predict": n}}, timeout=300)
+        r.raise_for_status()
+        return r.json()  # type: ignore[no-any-return]
+
+    first = ask(history)
+    assert first["prompt_eval_count"] > 300  # type: ignore[operator]
+    others = [[{"role": "user", "content": f"Story {k}: " + "a long winding road through hills. " * 20}]
+              for k in range(4)]
+    with cf.ThreadPoolExecutor(4) as ex:
+        list(ex.map(lambda m: ask(m, 24), others))
+    ps = httpx.get(batched.url + "/api/ps").json()["models"]
+    slots = next(m for m in ps if m["name"].startswith("smol"))["slots"]
+    assert all(s["cached_tokens"] < 300 for s in slots), slots  # no slot holds the librarian any more
+    again = ask(history)
+    assert again["prompt_eval_count"] < 20, again  # type: ignore[operator]
+    assert again["message"] == first["message"]
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(SMOL is None, reason="SmolLM2 is not cached")
 def test_second_turn_reuses_the_cached_history(batched: Daemon) -> None:
     history = [{"role": "system", "content": "You are a helpful assistant. " * 40}]
     history += [{"role": "user", "content": f"Remember the number {i}."} for i in range(20)]
