@@ -245,7 +245,9 @@ def load_test(server: Corral, streams: int, tokens: int) -> dict[str, float]:
     return {"tps": sum(r[1] for r in results) / wall, "p50": pct(ttfts, 0.5) * 1000, "p95": pct(ttfts, 0.95) * 1000}
 
 
-def second_turn(server: Corral, nonce: int) -> tuple[float, float]:
+def second_turn(server: Corral, nonce: int, others: int) -> tuple[float, float, float]:
+    """Times to first token of a chat's first turn (a ~1,000-token history), of its second turn, and of its third
+    turn after ``others`` users (as many as the slots) each ran a chat of their own in the meantime."""
     # the nonce opens the history, so no server has the first turn cached from an earlier round
     history = [{"role": "system", "content": f"Session {nonce}. " + "You are a careful assistant who remembers "
                 "everything. " * 12}]
@@ -255,8 +257,14 @@ def second_turn(server: Corral, nonce: int) -> tuple[float, float]:
     history.append({"role": "user", "content": "How many marbles are in box 3?"})
     first, reply = server.chat_ttft(history)
     history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And in box 5?"}]
-    second, _ = server.chat_ttft(history)
-    return first * 1000, second * 1000
+    second, reply = server.chat_ttft(history)
+    chats = [[{"role": "user", "content": f"Visitor {nonce}-{k}: " + "Tell me about the old harbour town. " * 25}]
+             for k in range(others)]
+    with cf.ThreadPoolExecutor(max(1, others)) as ex:
+        list(ex.map(server.chat_ttft, chats))
+    history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And in box 7?"}]
+    third, _ = server.chat_ttft(history)
+    return first * 1000, second * 1000, third * 1000
 
 
 def main() -> None:
@@ -277,7 +285,7 @@ def main() -> None:
               "llama-cpp-python-server": LlamaCppPythonServer}
     servers = [Corral, *(chosen[p] for p in args.peers.split(",") if p)]
     runs: dict[str, dict[int, list[dict[str, float]]]] = {cls.name: {n: [] for n in levels} for cls in servers}
-    turn_runs: dict[str, list[tuple[float, float]]] = {cls.name: [] for cls in servers}
+    turn_runs: dict[str, list[tuple[float, float, float]]] = {cls.name: [] for cls in servers}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         up: list[Corral] = []
         for cls in servers:
@@ -295,21 +303,21 @@ def main() -> None:
                 for server in up[r % len(up):] + up[:r % len(up)]:
                     runs[server.name][n].append(load_test(server, n, args.tokens))
             for server in up:
-                turn_runs[server.name].append(second_turn(server, r))
+                turn_runs[server.name].append(second_turn(server, r, args.slots))
             for server in up:
                 print(f"round {r + 1}", server.name, {n: round(runs[server.name][n][-1]["tps"], 1) for n in levels},
                       [round(x) for x in turn_runs[server.name][-1]], flush=True)
     table = {name: {n: {k: statistics.median(x[k] for x in per[n]) for k in ("tps", "p50", "p95")} for n in levels}
              for name, per in runs.items()}
-    turns = {name: (statistics.median(a for a, _ in t), statistics.median(b for _, b in t))
-             for name, t in turn_runs.items()}
+    turns = {name: (statistics.median(x[0] for x in t), statistics.median(x[1] for x in t),
+                    statistics.median(x[2] for x in t)) for name, t in turn_runs.items()}
     lines = render(table, turns, levels, args)
     print("\n".join(lines))
     if args.write:
         write_section(args.write, lines)
 
 
-def render(table: dict[str, dict[int, dict[str, float]]], turns: dict[str, tuple[float, float]], levels: list[int],
+def render(table: dict[str, dict[int, dict[str, float]]], turns: dict[str, tuple[float, float, float]], levels: list[int],
            args: argparse.Namespace) -> list[str]:
     peers = [name for name in table if name != "corral"]
     c = table["corral"]
@@ -345,10 +353,13 @@ def render(table: dict[str, dict[int, dict[str, float]]], turns: dict[str, tuple
     for n in levels:
         cells = " | ".join(f"{table[p][n]['p50']:.0f} / {table[p][n]['p95']:.0f}" for p in peers)
         lines.append(f"| {n} | {c[n]['p50']:.0f} / {c[n]['p95']:.0f} | {cells} |")
-    lines += ["", "Second turn of a chat with a ~1,000-token history (time to first token, ms):", "",
-              "| server | first turn | second turn | second / first |", "|---|---|---|---|"]
-    for name, (a, b) in turns.items():
-        lines.append(f"| {name} | {a:.0f} | {b:.0f} | {b / a:.2f} |")
+    lines += ["", "A chat with a ~1,000-token history (time to first token, ms): its first turn, its second turn, "
+              f"and its third turn after {args.slots} other users (as many as the slots) each had a chat of their "
+              "own in the meantime, which takes the chat's slot:", "",
+              "| server | first turn | second turn | second / first | third turn, after others | third / first |",
+              "|---|---|---|---|---|---|"]
+    for name, (a, b, c) in turns.items():
+        lines.append(f"| {name} | {a:.0f} | {b:.0f} | {b / a:.2f} | {c:.0f} | {c / a:.2f} |")
     return lines + [""]
 
 
