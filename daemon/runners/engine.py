@@ -45,7 +45,9 @@ Emit = Callable[[dict[str, Any]], None]
 
 
 SAVE_MIN_TOKENS = 64  # a slot's tail shorter than this is cheaper to evaluate again than to save and restore
-RESTORE_MIN_GAIN = 16  # restore only when it saves at least this many tokens over the best slot
+# Restoring a saved sequence, or copying another slot's (llama.cpp copies a whole KV stream, ~8 ms per 2,048 cells
+# on 2 CPU cores whatever the prefix), is done only when it spares evaluating at least this many tokens
+MIN_GAIN = 16
 
 
 @dataclass
@@ -252,7 +254,7 @@ class Engine:
             if len(best.tokens) - reuse >= SAVE_MIN_TOKENS:
                 self._save(best)  # what it holds beyond the shared prefix is about to be overwritten
             restored = False
-            if hit is not None and hit_len >= max(reuse, donor_len) + RESTORE_MIN_GAIN:
+            if hit is not None and hit_len >= max(reuse, donor_len) + MIN_GAIN:
                 restored = self._restore(hit, best)
                 if not restored:  # the slot was emptied: nothing of it to reuse
                     reuse = 0
@@ -261,7 +263,7 @@ class Engine:
                 self.lc.llama_memory_seq_rm(self.mem, best.seq_id, hit_len, -1)
                 best.tokens = best.tokens[:hit_len]
                 reuse = hit_len
-            elif donor is not best and donor_len > reuse:
+            elif donor is not best and donor_len >= reuse + MIN_GAIN:
                 # a slot is its own KV stream, and llama.cpp copies between streams only whole: copy, then trim
                 self.lc.llama_memory_seq_rm(self.mem, best.seq_id, -1, -1)
                 self.lc.llama_memory_seq_cp(self.mem, donor.seq_id, best.seq_id, -1, -1)
@@ -348,32 +350,38 @@ class Engine:
             batch.logits[n] = want_logits
             n += 1
 
-        decoding = [s.seq for s in self.slots if s.seq is not None and s.seq.next_token is not None]
-        for seq in decoding:
-            slot = seq.slot
-            assert slot is not None and seq.next_token is not None
+        # what each sequence puts in this step: a decoding one its sampled token, a prefilling one (oldest first) a
+        # chunk of its prompt within what is left of the batch
+        plan: dict[int, list[int]] = {}
+        for slot in self.slots:
+            seq = slot.seq
+            if seq is None or seq.next_token is None:
+                continue
             if len(slot.tokens) + 1 > self.n_ctx_slot and not self._shift(seq):
                 self._finish(seq, "length")
                 continue
-            add(seq.next_token, len(slot.tokens), slot.seq_id, True)
-            slot.tokens.append(seq.next_token)
+            plan[slot.seq_id] = [seq.next_token]
             seq.next_token = None
-            outputs.append(seq)
-        prefilling = sorted((s.seq for s in self.slots if s.seq is not None and s.seq.pending),
-                            key=lambda q: q.started)
-        budget = min(self.n_batch - n, self.chunk)
-        for seq in prefilling:
+        budget = min(self.n_batch - len(plan), self.chunk)
+        for seq in sorted((s.seq for s in self.slots if s.seq is not None and s.seq.pending), key=lambda q: q.started):
             if budget <= 0:
                 break
-            slot = seq.slot
-            assert slot is not None
+            assert seq.slot is not None
             take = seq.pending[:budget]
             del seq.pending[:len(take)]
+            plan[seq.slot.seq_id] = take
+            budget -= len(take)
+        # laid out in sequence-id order: llama.cpp splits a batch over several KV streams into micro-batches of
+        # consecutive sequence ids with as many tokens each, so out of order it would run extra passes
+        for slot in self.slots:
+            seq = slot.seq
+            take = plan.get(slot.seq_id)
+            if seq is None or not take:
+                continue
             for j, tok in enumerate(take):
                 last = not seq.pending and j == len(take) - 1
                 add(tok, len(slot.tokens), slot.seq_id, last)
                 slot.tokens.append(tok)
-            budget -= len(take)
             if not seq.pending:
                 outputs.append(seq)
         if n == 0:

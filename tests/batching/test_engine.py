@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,6 +111,42 @@ def test_a_conversation_that_lost_its_slot_comes_back_from_ram(batched: Daemon) 
     again = ask(history)
     assert again["prompt_eval_count"] < 20, again  # type: ignore[operator]
     assert again["message"] == first["message"]
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(SMOL is None, reason="SmolLM2 is not cached")
+def test_a_shared_system_prompt_is_copied_from_a_busy_slot(batched: Daemon) -> None:
+    """Two users with one long system prompt: while the first is still generating, the second's request takes
+    another slot, gets the prefix copied from the first one's and evaluates only its own question."""
+    system = {"role": "system", "content": "You answer questions about the Lighthouse Museum. " * 25}
+
+    def ask(question: str, n: int) -> dict[str, object]:
+        r = httpx.post(batched.url + "/api/chat", json={
+            "model": "smol", "messages": [system, {"role": "user", "content": question}], "stream": False,
+            "options": {"temperature": 0, "num_predict": n}}, timeout=300)
+        r.raise_for_status()
+        return r.json()  # type: ignore[no-any-return]
+
+    started = threading.Event()
+
+    def long_answer() -> None:
+        with httpx.stream("POST", batched.url + "/api/chat", json={
+                "model": "smol", "messages": [system, {"role": "user", "content": "Tell me its whole history."}],
+                "options": {"temperature": 0, "num_predict": 400, "stop": ["@@never@@"]}}, timeout=300) as r:
+            for line in r.iter_lines():
+                if json.loads(line).get("message", {}).get("content"):
+                    started.set()
+
+    with cf.ThreadPoolExecutor(1) as ex:
+        busy = ex.submit(long_answer)
+        assert started.wait(120)
+        ps = httpx.get(batched.url + "/api/ps").json()["models"]
+        slots = next(m for m in ps if m["name"].startswith("smol"))["slots"]
+        assert sum(s["busy"] for s in slots) == 1
+        second = ask("When does it open?", 16)
+        busy.result()
+    assert second["prompt_eval_count"] < 40, second  # the ~300 tokens of the system prompt came from the copy
+    assert ask("When does it open?", 16)["message"] == second["message"]
 
 
 @pytest.mark.real_model
