@@ -55,7 +55,7 @@ class Saved:
     """A sequence's KV state kept in host RAM after its slot was given to another request."""
 
     tokens: list[int]
-    data: Any  # ctypes byte array from llama_state_seq_get_data
+    data: np.ndarray  # bytes from llama_state_seq_get_data
     size: int
 
 
@@ -297,8 +297,10 @@ class Engine:
         size = int(self.lc.llama_state_seq_get_size(self.ctx, slot.seq_id))
         if size <= 0 or size > self.cache_bytes:
             return
-        data = (ctypes.c_uint8 * size)()
-        if int(self.lc.llama_state_seq_get_data(self.ctx, data, size, slot.seq_id)) != size:
+        # numpy, not a ctypes array: creating a ctypes array fills it element by element (~100 ms for the 28 MB of
+        # a 1,200-token SmolLM2 sequence, against ~3 ms for the copy itself)
+        data = np.empty(size, dtype=np.uint8)
+        if int(self.lc.llama_state_seq_get_data(self.ctx, _bytes_ptr(data), size, slot.seq_id)) != size:
             return
         self._drop(lambda e: common_prefix(e.tokens, tokens) == len(e.tokens))  # it covers these
         self.saved.append(Saved(tokens=list(tokens), data=data, size=size))
@@ -318,7 +320,7 @@ class Engine:
     def _restore(self, entry: Saved, slot: Slot) -> bool:
         """Load a saved sequence into ``slot`` (it leaves the saved list: the slot holds it now)."""
         self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
-        read = int(self.lc.llama_state_seq_set_data(self.ctx, entry.data, entry.size, slot.seq_id))
+        read = int(self.lc.llama_state_seq_set_data(self.ctx, _bytes_ptr(entry.data), entry.size, slot.seq_id))
         self._drop(lambda e: e is entry)
         if read <= 0:
             self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
@@ -514,6 +516,10 @@ class Engine:
             slot.seq = None
             slot.last_used = time.monotonic()
         seq.slot = None
+
+
+def _bytes_ptr(data: np.ndarray) -> Any:
+    return data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
