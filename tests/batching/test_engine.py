@@ -111,6 +111,12 @@ def test_a_conversation_that_lost_its_slot_comes_back_from_ram(batched: Daemon) 
     again = ask(history)
     assert again["prompt_eval_count"] < 20, again  # type: ignore[operator]
     assert again["message"] == first["message"]
+    # and once more, now saved into the RAM its first save left behind
+    with cf.ThreadPoolExecutor(4) as ex:
+        list(ex.map(lambda m: ask(m, 24), others))
+    third = ask(history)
+    assert third["prompt_eval_count"] < 20, third  # type: ignore[operator]
+    assert third["message"] == first["message"]
 
 
 @pytest.mark.real_model
