@@ -40,7 +40,10 @@ class Metrics:
                                 registry=r)
         self.request_seconds = Histogram("corral_request_duration_seconds", "HTTP request duration", ["endpoint"],
                                          registry=r)
-        self.prompt_tokens = Counter("corral_prompt_tokens", "Prompt tokens evaluated", ["model"], registry=r)
+        self.prompt_tokens = Counter("corral_prompt_tokens", "Prompt tokens (Ollama's prompt_eval_count)", ["model"],
+                                     registry=r)
+        self.cached_tokens = Counter("corral_prompt_cached_tokens", "Prompt tokens reused from the KV cache, not "
+                                     "evaluated again", ["model"], registry=r)
         self.generated_tokens = Counter("corral_generated_tokens", "Tokens generated", ["model"], registry=r)
         self.ttft = Histogram("corral_time_to_first_token_seconds", "Time from request to first token", ["model"],
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
@@ -119,12 +122,14 @@ class Observe:
             model = info.get("model")
             if model and info.get("eval_count") is not None:
                 self.metrics.prompt_tokens.labels(model).inc(info.get("prompt_eval_count", 0))
+                self.metrics.cached_tokens.labels(model).inc(info.get("prompt_cached", 0))
                 self.metrics.generated_tokens.labels(model).inc(info["eval_count"])
                 if info.get("ttft") is not None:
                     self.metrics.ttft.labels(model).observe(info["ttft"])
                 if info.get("eval_duration"):
                     self.metrics.tps.labels(model).observe(info["eval_count"] / (info["eval_duration"] / 1e9))
-            extra = "".join(f" {k}={info[k]}" for k in ("model", "prompt_eval_count", "eval_count") if k in info)
+            extra = "".join(f" {k}={info[k]}" for k in ("model", "prompt_eval_count", "prompt_cached", "eval_count")
+                            if k in info)
             if "prompt" in info:
                 extra += f" prompt={info['prompt']!r}"
             log.info("request method=%s path=%s status=%s%s duration=%.3fs", scope["method"], scope["path"],

@@ -120,7 +120,8 @@ def _check_images(ctx: ModelContext, images: list[str] | None) -> None:
 
 
 def _metrics(done: Done, started: float, lease: Lease) -> dict[str, Any]:
-    note(model=lease.entry.ref.name, prompt_eval_count=done.prompt_eval_count, eval_count=done.eval_count,
+    note(model=lease.entry.ref.name, prompt_eval_count=done.prompt_eval_count, prompt_cached=done.prompt_cached,
+         eval_count=done.eval_count,
          eval_duration=done.eval_duration, ttft=lease.load_duration + done.prompt_eval_duration / 1e9)
     return {
         "total_duration": int((time.monotonic() - started) * 1e9),

@@ -89,10 +89,11 @@ class Token:
 @dataclass(frozen=True)
 class Done:
     done_reason: Literal["stop", "length"]
-    prompt_eval_count: int
+    prompt_eval_count: int  # every prompt token, as Ollama counts them
     prompt_eval_duration: int  # ns
     eval_count: int
     eval_duration: int  # ns
+    prompt_cached: int = 0  # of prompt_eval_count, the tokens reused from the KV cache rather than evaluated
     context: tuple[int, ...] = ()  # prompt + response tokens
     stop_sequence: str | None = None  # the stop string that ended it, if one did
 

@@ -10,9 +10,10 @@ so newcomers join at the next step while the others keep decoding; finished or c
 once. When a slot is about to be overwritten, the sequence it holds is saved to host RAM (``llama_state_seq_*``,
 within ``cache_bytes``, least recently saved dropped first); a later request whose prompt continues a saved
 sequence further than any slot does gets it restored instead of evaluating it again (a conversation that lost
-its slot to other users comes back without re-reading its history). Sampling is vectorised over all rows (``sampling.py``); grammars (JSON, JSON schema) are applied per
-sequence with llama.cpp's grammar sampler. A sequence that fills its ``num_ctx`` shifts its context like
-Ollama (keep ``num_keep``, drop half of the rest) unless ``shift`` is false.
+its slot to other users comes back without re-reading its history). Sampling is vectorised over all rows
+(``sampling.py``); grammars (JSON, JSON schema) are applied per sequence with llama.cpp's grammar sampler. A
+sequence that fills its ``num_ctx`` shifts its context like Ollama (keep ``num_keep``, drop half of the rest)
+unless ``shift`` is false.
 
 The engine runs on its own thread inside the runner child; ``submit`` and ``cancel`` are thread-safe. It is
 given the ``llama_cpp`` module and the model and context pointers, so this module imports nothing from
@@ -107,7 +108,7 @@ class Seq:
     generated: list[int] = field(default_factory=list)
     text: str = ""  # decoded, not yet emitted (may begin a stop string)
     decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
-    prompt_eval_count: int = 0
+    prompt_cached: int = 0  # prompt tokens found in the KV cache (or restored), so not evaluated
     started: int = 0
     first_at: int = 0
     cancelled: bool = False
@@ -273,7 +274,7 @@ class Engine:
                 best.tokens = best.tokens[:reuse]
             seq.slot, best.seq = best, seq
             seq.pending = list(seq.prompt[reuse:])
-            seq.prompt_eval_count = max(1, len(seq.pending))
+            seq.prompt_cached = reuse
 
     # -- sequences kept in host RAM ------------------------------------------------------------------------------
     def _find_saved(self, prompt: list[int]) -> tuple[Saved | None, int]:
@@ -505,7 +506,9 @@ class Engine:
         ended = time.perf_counter_ns()
         first = seq.first_at or ended
         self.emit({
-            "id": seq.rid, "type": "done", "done_reason": reason, "prompt_eval_count": seq.prompt_eval_count,
+            "id": seq.rid, "type": "done", "done_reason": reason,
+            # as Ollama (llama.cpp's cache_n + prompt_n): every prompt token, those reused from the cache included
+            "prompt_eval_count": len(seq.prompt), "prompt_cached": seq.prompt_cached,
             "prompt_eval_duration": max(1, first - seq.started), "eval_count": len(seq.generated),
             "eval_duration": max(1, ended - first), "context": list(seq.prompt) + list(seq.generated),
             "stop_sequence": seq.stop_hit,

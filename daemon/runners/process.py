@@ -136,7 +136,7 @@ class ProcessRunner:
                     yield Done(done_reason=msg["done_reason"], prompt_eval_count=msg["prompt_eval_count"],
                                prompt_eval_duration=msg["prompt_eval_duration"], eval_count=msg["eval_count"],
                                eval_duration=msg["eval_duration"], context=tuple(msg.get("context") or ()),
-                               stop_sequence=msg.get("stop_sequence"))
+                               stop_sequence=msg.get("stop_sequence"), prompt_cached=int(msg.get("prompt_cached", 0)))
                     return
                 elif kind == "error":
                     finished = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -39,6 +40,13 @@ def batched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         yield d
     finally:
         stop_daemon(d)
+
+
+def cached(d: Daemon, model: str = "smol:latest") -> float:
+    """The daemon's count of prompt tokens reused from the KV cache rather than evaluated (``/metrics``)."""
+    text = httpx.get(d.url + "/metrics").text
+    found = re.search(rf'^corral_prompt_cached_tokens_total{{model="{re.escape(model)}"}} ([\d.]+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
 
 
 def gen(d: Daemon, model: str, prompt: str, **options: object) -> dict[str, object]:
@@ -108,14 +116,17 @@ def test_a_conversation_that_lost_its_slot_comes_back_from_ram(batched: Daemon) 
     ps = httpx.get(batched.url + "/api/ps").json()["models"]
     slots = next(m for m in ps if m["name"].startswith("smol"))["slots"]
     assert all(s["cached_tokens"] < 300 for s in slots), slots  # no slot holds the librarian any more
+    before = cached(batched)
     again = ask(history)
-    assert again["prompt_eval_count"] < 20, again  # type: ignore[operator]
+    assert again["prompt_eval_count"] == first["prompt_eval_count"]  # Ollama counts every prompt token
+    assert cached(batched) - before > again["prompt_eval_count"] - 20, again  # type: ignore[operator]
     assert again["message"] == first["message"]
     # and once more, now saved into the RAM its first save left behind
     with cf.ThreadPoolExecutor(4) as ex:
         list(ex.map(lambda m: ask(m, 24), others))
+    before = cached(batched)
     third = ask(history)
-    assert third["prompt_eval_count"] < 20, third  # type: ignore[operator]
+    assert cached(batched) - before > third["prompt_eval_count"] - 20, third  # type: ignore[operator]
     assert third["message"] == first["message"]
 
 
@@ -149,9 +160,12 @@ def test_a_shared_system_prompt_is_copied_from_a_busy_slot(batched: Daemon) -> N
         ps = httpx.get(batched.url + "/api/ps").json()["models"]
         slots = next(m for m in ps if m["name"].startswith("smol"))["slots"]
         assert sum(s["busy"] for s in slots) == 1
+        before = cached(batched)
         second = ask("When does it open?", 16)
+        reused = cached(batched) - before
         busy.result()
-    assert second["prompt_eval_count"] < 40, second  # the ~300 tokens of the system prompt came from the copy
+    assert second["prompt_eval_count"] > 200
+    assert reused > second["prompt_eval_count"] - 40, reused  # type: ignore[operator] # the system prompt was copied
     assert ask("When does it open?", 16)["message"] == second["message"]
 
 
@@ -164,11 +178,13 @@ def test_second_turn_reuses_the_cached_history(batched: Daemon) -> None:
         "model": "smol", "messages": history, "stream": False,
         "options": {"temperature": 0, "num_predict": 8}}, timeout=300).json()
     history += [first["message"], {"role": "user", "content": "Which numbers did I say?"}]
+    before = cached(batched)
     second = httpx.post(batched.url + "/api/chat", json={
         "model": "smol", "messages": history, "stream": False,
         "options": {"temperature": 0, "num_predict": 8}}, timeout=300).json()
     assert first["prompt_eval_count"] > 400
-    assert second["prompt_eval_count"] < 40  # only the new turn is evaluated
+    assert second["prompt_eval_count"] > first["prompt_eval_count"]  # Ollama counts every prompt token
+    assert cached(batched) - before > second["prompt_eval_count"] - 40  # only the new turn is evaluated
     assert second["prompt_eval_duration"] < first["prompt_eval_duration"]
 
 

@@ -32,4 +32,6 @@ def test_metrics_count_tokens_and_log_lines(daemon: Daemon, tiny_gguf: Path) -> 
     log = daemon.log.read_text()
     line = [ln for ln in log.splitlines() if "path=/api/generate" in ln][0]
     assert "status=200" in line and "model=t:latest" in line and f"eval_count={body['eval_count']}" in line
+    assert f"prompt_eval_count={body['prompt_eval_count']} prompt_cached=" in line
+    assert re.search(r'^corral_prompt_cached_tokens_total\{model="t:latest"\} [\d.]+$', text, re.M)
     assert "a b c" not in log  # prompts are not logged
