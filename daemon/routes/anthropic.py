@@ -190,7 +190,7 @@ async def messages(request: Request) -> Response:
     body = await read_json(request)
     stream = bool(get(body, "stream", "bool"))
     req = _chat_request(body, stream=stream)
-    _, chunks = await run_chat(inference(request), req, started)
+    _, chunks = await run_chat(inference(request), req, started, count_prompt=stream)
     assert chunks is not None  # messages are never empty here
     first, rest = await first_then(chunks)
     mid = f"msg_{secrets.token_hex(12)}"
@@ -225,7 +225,9 @@ async def _events(first: dict[str, Any] | None, rest: AsyncIterator[dict[str, An
                   model: str) -> AsyncGenerator[bytes, None]:
     yield sse_event("message_start", {"type": "message_start", "message": {
         "id": mid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
-        "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}})
+        "stop_sequence": None,
+        # the prompt's exact length, known before the first token (Ollama sends an estimate: characters / 4)
+        "usage": {"input_tokens": int((first or {}).get("_prompt_eval_count") or 0), "output_tokens": 0}}})
     yield sse_event("ping", {"type": "ping"})
     index, text_open, any_calls, chunk = 0, False, False, first
     while chunk is not None:

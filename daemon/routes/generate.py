@@ -316,10 +316,12 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     return remainder, calls
 
 
-async def run_chat(inf: Inference, req: ChatRequestBody, started: float,
+async def run_chat(inf: Inference, req: ChatRequestBody, started: float, *, count_prompt: bool = False,
                    ) -> tuple[dict[str, Any] | None, AsyncIterator[dict[str, Any]] | None]:
     """Check ``req`` and start it: ``(final, None)`` for a load or unload, else ``(None, chunks)`` (Ollama's
-    chat objects, the last with the metrics). Errors before the first chunk raise."""
+    chat objects, the last with the metrics). Errors before the first chunk raise. ``count_prompt``: tokenize the
+    prompt first and put its length on the first chunk as ``_prompt_eval_count`` (for a stream that must say it
+    before the end, as Anthropic's message_start does)."""
     _check_common(req)
     _model_name_or_error(req.model_name, empty_is_404=False)
     ctx = await run_in_threadpool(inf.model, req.model_name)
@@ -351,6 +353,7 @@ async def run_chat(inf: Inference, req: ChatRequestBody, started: float,
     try:
         text = await render_chat(lease, ctx, build_messages(ctx, request_messages), req.tools, spec.num_ctx,
                                  req.truncate, req.think)
+        prompt_count = len(await lease.runner.tokenize(text)) if count_prompt else None
     except BaseException:
         lease.release()
         raise
@@ -358,6 +361,13 @@ async def run_chat(inf: Inference, req: ChatRequestBody, started: float,
         note(prompt=text)
     greq = GenerateRequest(prompt=text, params=params, shift=req.shift, truncate=req.truncate)
     buffer_for_tools = bool(req.tools)
+
+    untold = [prompt_count] if prompt_count is not None else []
+
+    def tell(chunk: dict[str, Any]) -> dict[str, Any]:
+        if untold:  # the first chunk says the prompt's length: for /v1/messages; removed before Ollama's wire
+            chunk["_prompt_eval_count"] = untold.pop()
+        return chunk
 
     async def chunks() -> AsyncIterator[dict[str, Any]]:
         held: list[str] = []
@@ -373,7 +383,7 @@ async def run_chat(inf: Inference, req: ChatRequestBody, started: float,
                          "message": {"role": "assistant", "content": event.text}, "done": False}
                 if event.logprobs is not None:
                     chunk["logprobs"] = [event.logprobs]
-                yield chunk
+                yield tell(chunk)
                 continue
             if buffer_for_tools:
                 content, calls = parse_tool_calls("".join(held))
@@ -383,13 +393,13 @@ async def run_chat(inf: Inference, req: ChatRequestBody, started: float,
                 chunk = {**base, "created_at": now_rfc3339(), "message": message, "done": False}
                 if held_logprobs:
                     chunk["logprobs"] = held_logprobs
-                yield chunk
+                yield tell(chunk)
             final = {**base, "created_at": now_rfc3339(), "message": dict(empty_message), "done": True,
                      "done_reason": event.done_reason}
             final.update(_metrics(event, started, lease))
             if event.stop_sequence is not None:
                 final["_stop_sequence"] = event.stop_sequence  # for /v1/messages; removed before Ollama's wire
-            yield final
+            yield tell(final)
 
     return None, chunks()
 
@@ -409,6 +419,7 @@ async def _ollama_wire(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[d
     try:
         async for chunk in chunks:
             chunk.pop("_stop_sequence", None)
+            chunk.pop("_prompt_eval_count", None)
             yield chunk
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]

@@ -23,11 +23,14 @@ def test_message_plain_and_streamed(client: anthropic.Anthropic) -> None:
     r = client.messages.create(**kw, **GREEDY)  # type: ignore[arg-type]
     assert r.type == "message" and r.role == "assistant" and r.content[0].type == "text"
     assert r.stop_reason in ("end_turn", "max_tokens") and r.usage.output_tokens > 0
-    events = []
+    events, told = [], -1
     with client.messages.stream(**kw, **GREEDY) as stream:  # type: ignore[arg-type]
         for event in stream:
             events.append(event.type)
+            if event.type == "message_start":
+                told = event.message.usage.input_tokens
         final = stream.get_final_message()
+    assert told == r.usage.input_tokens == final.usage.input_tokens > 5  # said at the start, exactly
     assert final.content[0].text == r.content[0].text  # type: ignore[union-attr]
     assert events[0] == "message_start" and events[-1] == "message_stop"
     for needed in ("content_block_start", "content_block_delta", "content_block_stop", "message_delta"):
