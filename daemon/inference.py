@@ -94,6 +94,7 @@ class Inference:
         self.vram_budget = vram_budget
         self.ram_budget = ram_budget
         self.physical_cores = physical_cores
+        self._estimates: dict[tuple[str, int, int, int, int], Any] = {}
 
     # -- the model ---------------------------------------------------------------------------------------------
     def model(self, raw: str) -> ModelContext:
@@ -195,12 +196,9 @@ class Inference:
         num_ctx each, fits the memory budgets, counting what the GPU takes off the RAM."""
         if self.settings.num_parallel > 0:
             return self.settings.num_parallel
-        from daemon.memory import estimate
-
         for parallel in (4, 3, 2):
             layers = self.choose_gpu_layers(ctx, num_ctx, num_batch, parallel)
-            est = estimate(ctx.info, num_ctx=num_ctx, num_parallel=parallel, num_batch=num_batch,
-                           n_gpu_layers=layers)
+            est = self._estimate(ctx, num_ctx, num_batch, parallel, layers)
             if (self.ram_budget <= 0 or est.ram <= self.ram_budget) and est.vram <= max(self.vram_budget, 0):
                 return parallel
         return 1
@@ -209,14 +207,25 @@ class Inference:
                          num_gpu: int) -> int:
         """Host RAM for the sequences a runner saves when it reuses a slot: as much as the slots' KV cache, when
         the model and that much more fit the RAM budget together (else none: the model itself comes first)."""
-        from daemon.memory import estimate
-
-        est = estimate(ctx.info, num_ctx=num_ctx, num_parallel=num_parallel, num_batch=num_batch,
-                       n_gpu_layers=num_gpu)
+        est = self._estimate(ctx, num_ctx, num_batch, num_parallel, num_gpu)
         want = est.kv_per_layer * len(est.weights_per_layer)
         if self.ram_budget > 0 and est.ram + want > self.ram_budget:
             return 0
         return want
+
+    def _estimate(self, ctx: ModelContext, num_ctx: int, num_batch: int, num_parallel: int, num_gpu: int) -> Any:
+        """``daemon.memory.estimate``, remembered per model file (blobs never change) and shape: ``load_spec`` runs
+        on every request and would otherwise estimate the same model several times each time (~0.25 ms each)."""
+        key = (str(ctx.model_path), num_ctx, num_batch, num_parallel, num_gpu)
+        est = self._estimates.get(key)
+        if est is None:
+            from daemon.memory import estimate
+
+            if len(self._estimates) >= 256:
+                self._estimates.clear()
+            est = self._estimates[key] = estimate(ctx.info, num_ctx=num_ctx, num_parallel=num_parallel,
+                                                  num_batch=num_batch, n_gpu_layers=num_gpu)
+        return est
 
     def choose_gpu_layers(self, ctx: ModelContext, num_ctx: int, num_batch: int, num_parallel: int = 1) -> int:
         if self.vram_budget <= 0:

@@ -56,9 +56,8 @@ class Saved:
     """A sequence's KV state kept in host RAM after its slot was given to another request."""
 
     tokens: list[int]
-    data: np.ndarray  # bytes from llama_state_seq_get_data: a view of the first ``size`` bytes of ``buffer``
+    buffer: np.ndarray  # its first ``size`` bytes are from llama_state_seq_get_data; recycled when the entry leaves
     size: int
-    buffer: np.ndarray  # what it takes of the cache's RAM; recycled when the entry leaves
 
 
 class EngineError(Exception):
@@ -297,18 +296,15 @@ class Engine:
         if size <= 0 or size + size // 4 > self.cache_bytes:
             return
         buffer = self._buffer(size)
-        data = buffer[:size]
-        if int(self.lc.llama_state_seq_get_data(self.ctx, _bytes_ptr(data), size, slot.seq_id)) != size:
-            self._recycle(buffer)
+        if int(self.lc.llama_state_seq_get_data(self.ctx, _bytes_ptr(buffer), size, slot.seq_id)) != size:
+            self.spare.append(buffer)
             return
         self._drop(lambda e: common_prefix(e.tokens, tokens) == len(e.tokens))  # it covers these
-        self.saved.append(Saved(tokens=list(tokens), data=data, size=size, buffer=buffer))
+        self.saved.append(Saved(tokens=list(tokens), buffer=buffer, size=size))
         while self.saved_size > self.cache_bytes and (self.spare or len(self.saved) > 1):
-            if self.spare:
-                self.saved_size -= self.spare.pop(0).nbytes
-            else:
-                self._drop(lambda e: e is self.saved[0])
-                self.saved_size -= self.spare.pop().nbytes
+            if not self.spare:
+                self._drop(lambda e: e is self.saved[0])  # the oldest: its buffer becomes the spare freed next
+            self.saved_size -= self.spare.pop(0).nbytes
 
     def _buffer(self, size: int) -> np.ndarray:
         """RAM for a saved sequence: a spare buffer that fits without wasting half of it, else a new one. Numpy,
@@ -324,14 +320,11 @@ class Engine:
         self.saved_size += capacity
         return np.empty(capacity, dtype=np.uint8)
 
-    def _recycle(self, buffer: np.ndarray) -> None:
-        self.spare.append(buffer)
-
     def _drop(self, which: Callable[[Saved], bool]) -> None:
         keep = []
         for entry in self.saved:
             if which(entry):
-                self._recycle(entry.buffer)
+                self.spare.append(entry.buffer)
             else:
                 keep.append(entry)
         self.saved = keep
@@ -339,7 +332,7 @@ class Engine:
     def _restore(self, entry: Saved, slot: Slot) -> bool:
         """Load a saved sequence into ``slot`` (it leaves the saved list: the slot holds it now)."""
         self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
-        read = int(self.lc.llama_state_seq_set_data(self.ctx, _bytes_ptr(entry.data), entry.size, slot.seq_id))
+        read = int(self.lc.llama_state_seq_set_data(self.ctx, _bytes_ptr(entry.buffer), entry.size, slot.seq_id))
         self._drop(lambda e: e is entry)
         if read <= 0:
             self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
