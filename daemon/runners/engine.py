@@ -42,7 +42,7 @@ PROMPT_TOO_LONG = (
 
 TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
 
-Emit = Callable[[dict[str, Any]], None]
+Emit = Callable[[list[dict[str, Any]]], None]
 
 
 SAVE_MIN_TOKENS = 64  # a slot's tail shorter than this is cheaper to evaluate again than to save and restore
@@ -126,13 +126,15 @@ class Engine:
         self.n_vocab = int(lc.llama_vocab_n_tokens(vocab))
         self.n_parallel, self.n_ctx_slot, self.n_batch = n_parallel, n_ctx_slot, n_batch
         self.chunk = chunk or n_batch
-        self.emit = emit
+        self._emit_many = emit
+        self._out: list[dict[str, Any]] = []  # messages of this iteration, sent together at its end
         self.slots = [Slot(i) for i in range(n_parallel)]
         self.waiting: deque[Seq] = deque()
         self.by_rid: dict[int, Seq] = {}
         self._cv = threading.Condition()
         self._batch = lc.llama_batch_init(n_batch, 0, 1)
         self._piece = ctypes.create_string_buffer(256)
+        self._row_types: dict[int, Any] = {}  # ctypes array types over the logits, by row count
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
@@ -230,7 +232,18 @@ class Engine:
                 self._fail_started(str(exc), exc.status)
             except Exception as exc:  # noqa: BLE001 - report to every active request and keep serving
                 self._fail_started(f"llama.cpp error: {exc}", 500)
+            self._flush()
         self.lc.llama_batch_free(self._batch)
+
+    def emit(self, msg: dict[str, Any]) -> None:
+        self._out.append(msg)
+
+    def _flush(self) -> None:
+        """Send what this iteration produced in one go: one write and one wake-up of the daemon per step, not
+        one per sequence (on 2 cores each wake-up takes a core from ``llama_decode``)."""
+        if self._out:
+            out, self._out = self._out, []
+            self._emit_many(out)
 
     def _admit(self) -> None:
         """Give waiting requests free slots, reusing the longest cached prefix (caller holds the lock)."""
@@ -405,7 +418,8 @@ class Engine:
         if rc != 0:
             raise EngineError(f"llama_decode failed ({rc}): the context is full or the batch is too large", 500)
         now = time.perf_counter_ns()
-        logits = np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), shape=(len(outputs), self.n_vocab)).copy()
+        # a view of llama.cpp's logits, not a copy: they are read (and penalised in place) before the next decode
+        logits = self._logits(len(outputs))
         lp_rows = {i: logits[i].copy() for i, q in enumerate(outputs) if q.top_logprobs is not None}
         constrained = [i for i, q in enumerate(outputs) if q.grammar is not None]
         unconstrained = {i: logits[i].copy() for i in constrained}
@@ -422,6 +436,13 @@ class Engine:
             if seq.first_at == 0:
                 seq.first_at = now
             self._accept(seq, tok, lp_rows.get(i))
+
+    def _logits(self, rows: int) -> np.ndarray:
+        addr = ctypes.cast(self.lc.llama_get_logits(self.ctx), ctypes.c_void_p).value
+        kind = self._row_types.get(rows)
+        if kind is None:
+            kind = self._row_types[rows] = ctypes.c_float * (rows * self.n_vocab)
+        return np.frombuffer(kind.from_address(addr), dtype=np.float32).reshape(rows, self.n_vocab)
 
     def _shift(self, seq: Seq) -> bool:
         """Make room for one more token: drop half of what follows ``num_keep`` (Ollama's context shift)."""

@@ -32,7 +32,10 @@ class Channel:
         self._lock = threading.Lock()
 
     def send(self, obj: dict[str, Any]) -> None:
-        data = encode(obj)
+        self.send_many([obj])
+
+    def send_many(self, objs: list[dict[str, Any]]) -> None:
+        data = b"".join(encode(obj) for obj in objs)
         with self._lock:
             self._out.write(data)
 
@@ -110,7 +113,7 @@ class Runner:
             lc.llama_set_adapters_lora(self.context.ctx, (lc.llama_adapter_lora_p_ctypes * 1)(adapter), 1,
                                        (ctypes.c_float * 1)(1.0))
         self.engine = Engine(lc, self.context.ctx, self.model.vocab, n_parallel=n_parallel,
-                             n_ctx_slot=int(spec["num_ctx"]), n_batch=n_batch, emit=self.chan.send,
+                             n_ctx_slot=int(spec["num_ctx"]), n_batch=n_batch, emit=self.chan.send_many,
                              cache_bytes=int(spec.get("prompt_cache") or 0))
 
     def info(self) -> dict[str, Any]:

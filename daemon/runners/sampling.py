@@ -95,6 +95,8 @@ def _softmax_rows(x: np.ndarray) -> np.ndarray:
 def sample_rows(logits: np.ndarray, samplers: Sequence[SeqSampler], windows: Sequence[Sequence[int]]) -> list[int]:
     """One token per row of ``logits`` (shape ``(rows, vocab)``, modified in place)."""
     n_rows, vocab = logits.shape
+    if all(s.greedy and not s.penalised for s in samplers):  # the common case at temperature 0: one argmax
+        return [int(t) for t in np.argmax(logits, axis=1).tolist()]
     out = [0] * n_rows
     for i, s in enumerate(samplers):
         if s.penalised:
