@@ -214,6 +214,7 @@ async def run_generate(inf: Inference, req: GenerateRequestBody, started: float,
                 if not req.raw:
                     final["context"] = list(event.context)
                 final.update(_metrics(event, started, lease))
+                final["_prompt_cached"] = event.prompt_cached  # for /v1's usage; removed before Ollama's wire
                 yield final
 
     return None, chunks()
@@ -231,7 +232,7 @@ async def generate(request: Request) -> Response:
     if final is not None:
         return JSONResponse(final)
     assert chunks is not None
-    return await respond(chunks, stream=req.stream, text_key="response")
+    return await respond(_ollama_wire(chunks), stream=req.stream, text_key="response")
 
 
 # -- chat ---------------------------------------------------------------------------------------------------------
@@ -397,6 +398,7 @@ async def run_chat(inf: Inference, req: ChatRequestBody, started: float, *, coun
             final = {**base, "created_at": now_rfc3339(), "message": dict(empty_message), "done": True,
                      "done_reason": event.done_reason}
             final.update(_metrics(event, started, lease))
+            final["_prompt_cached"] = event.prompt_cached  # for /v1's usage; removed before Ollama's wire
             if event.stop_sequence is not None:
                 final["_stop_sequence"] = event.stop_sequence  # for /v1/messages; removed before Ollama's wire
             yield tell(final)
@@ -418,8 +420,8 @@ async def chat(request: Request) -> Response:
 async def _ollama_wire(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
     try:
         async for chunk in chunks:
-            chunk.pop("_stop_sequence", None)
-            chunk.pop("_prompt_eval_count", None)
+            for key in [k for k in chunk if k.startswith("_")]:  # what only the /v1 routes read
+                del chunk[key]
             yield chunk
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]

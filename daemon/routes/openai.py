@@ -237,9 +237,12 @@ def _openai_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
                                           for t in e.get("top_logprobs") or []]} for e in entries]}
 
 
-def _usage(final: dict[str, Any]) -> dict[str, int]:
+def _usage(final: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's usage. prompt_tokens counts every prompt token (as Ollama); of them, cached_tokens were found in
+    the runner's KV cache (or restored from RAM) and not evaluated again, as OpenAI reports its prompt caching."""
     p, c = int(final.get("prompt_eval_count") or 0), int(final.get("eval_count") or 0)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": int(final.get("_prompt_cached") or 0)}}
 
 
 def _logprob_request(body: dict[str, Any]) -> tuple[bool, int]:
