@@ -1,9 +1,13 @@
 """Sampling for many sequences at once, vectorised over the logits with numpy.
 
 The batched runner (``engine.py``) hands this module one logits row per sequence that needs a token. Rows at
-temperature 0 take the argmax; the others share one ``argpartition`` for top-k, one sort of the survivors, and
-row-wise softmax, top-p and min-p masks. Mirostat and typical-p, rare options, run per row. Each sequence has
-its own random generator, so a seeded request samples the same tokens whatever else is in the batch.
+temperature 0 take the argmax (all of them in one call when no row is penalised). Rows with a top_k find their
+k best tokens together without a pass of argpartition over the vocabulary (``top_candidates``: 0.6 ms for four
+rows of SmolLM2's 49k vocabulary with Ollama's defaults, 4.9 ms for 32 rows of 128k, against 3.6 and 34 ms
+before), then share one sort of the survivors and row-wise softmax, top-p and min-p masks. Rows without a top_k
+draw from the whole row when nothing truncates it, else look for their nucleus among their best tokens first.
+Mirostat and typical-p, rare options, run per row. Each sequence has its own random generator, so a seeded
+request samples the same tokens whatever else is in the batch.
 
 Semantics are Ollama's options (``api/types.go``), in the order of Ollama's own sampler: repeat, presence and
 frequency penalties over the last ``repeat_last_n`` tokens of the context, then top-k, temperature, softmax,
@@ -110,41 +114,126 @@ def sample_rows(logits: np.ndarray, samplers: Sequence[SeqSampler], windows: Seq
         out[i] = _mirostat(logits[i], samplers[i])
     rest = [i for i, s in enumerate(samplers) if not s.greedy and s.mirostat not in (1, 2)]
     if rest:
-        for i, tok in zip(rest, _sample_truncated(logits[rest], [samplers[i] for i in rest])):
+        for i, tok in zip(rest, _sample_truncated(_rows(logits, rest), [samplers[i] for i in rest])):
             out[i] = tok
     return out
 
 
-def _sample_truncated(logits: np.ndarray, samplers: Sequence[SeqSampler]) -> list[int]:
+OPEN_CANDIDATES = 256  # without top_k, the tokens a nucleus (top_p / min_p) is first looked for among
+
+
+def top_candidates(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's ``k`` largest logits (ids, values), sorted by value descending then id ascending. Exact, without
+    a pass of ``argpartition`` over the whole vocabulary (16 ms for 32 rows of 128k): the vocabulary is split into
+    groups (token ids g, g + n, g + 2n, ...: one vectorised max over the row gives every group's maximum), and the
+    ``k`` largest values all lie in the ``k`` groups with the largest maxima (a value outside them would have ``k``
+    group maxima, at distinct places, at least as large). Only those groups are searched."""
     n_rows, vocab = logits.shape
-    ks = np.array([s.top_k if 0 < s.top_k < vocab else vocab for s in samplers])
-    kmax = int(ks.max())
-    if kmax < vocab:
-        idx = np.argpartition(-logits, kmax - 1, axis=1)[:, :kmax]
-        vals = np.take_along_axis(logits, idx, axis=1)
+    k = max(1, min(k, vocab))
+    size = max(8, min(64, vocab // (4 * k)))  # tokens per group
+    n_groups = vocab // size
+    if k >= vocab or n_groups <= 2 * k:
+        ids = np.argpartition(-logits, k - 1, axis=1)[:, :k] if k < vocab else np.broadcast_to(
+            np.arange(vocab), (n_rows, vocab))
     else:
-        idx = np.broadcast_to(np.arange(vocab), (n_rows, vocab))
-        vals = logits
-    order = np.argsort(-vals, axis=1, kind="stable")
-    idx = np.take_along_axis(idx, order, axis=1)
-    vals = np.take_along_axis(vals, order, axis=1).astype(np.float64)
-    vals[np.arange(kmax)[None, :] >= ks[:, None]] = -np.inf  # each row's own k
-    temps = np.array([s.temperature for s in samplers], dtype=np.float64)
-    probs = _softmax_rows(vals / temps[:, None])
+        maxima = logits[:, :n_groups * size].reshape(n_rows, size, n_groups).max(axis=1)
+        if n_groups * size < vocab:  # the last ids, fewer than a group: one more group
+            maxima = np.concatenate([maxima, logits[:, n_groups * size:].max(axis=1, keepdims=True)], axis=1)
+        groups = np.argpartition(-maxima, k - 1, axis=1)[:, :k, None]
+        step = np.arange(size)
+        cand = np.where(groups < n_groups, groups + step * n_groups, n_groups * size + step).reshape(n_rows, k * size)
+        inside = cand < vocab
+        cand = np.minimum(cand, vocab - 1)
+        values = np.where(inside, np.take_along_axis(logits, cand, axis=1), NEG_INF)
+        ids = np.take_along_axis(cand, np.argpartition(-values, k - 1, axis=1)[:, :k], axis=1)
+    values = np.take_along_axis(logits, ids, axis=1)
+    order = np.lexsort((ids, -values), axis=1)
+    return np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
+
+
+def _rows(logits: np.ndarray, which: list[int]) -> np.ndarray:
+    """``logits[which]`` without copying the whole array when ``which`` is every row (the usual batch)."""
+    return logits if len(which) == logits.shape[0] else logits[which]
+
+
+def _sample_truncated(logits: np.ndarray, samplers: Sequence[SeqSampler]) -> list[int]:
+    """top-k, temperature, softmax, top-p, min-p, typical-p and a draw, for rows that are not greedy. Rows with a
+    top_k look only at their k best tokens (found together, ``top_candidates``). Rows without one draw from the
+    whole vocabulary: straight from it when nothing truncates, else from the best ``OPEN_CANDIDATES`` when the
+    nucleus ends among them (checked against the whole row's normaliser), else from the whole row sorted."""
+    n_rows, vocab = logits.shape
+    out = [0] * n_rows
+    limited = [i for i, s in enumerate(samplers) if 0 < s.top_k < vocab]
+    free = [i for i in range(n_rows) if i not in set(limited)]
+    if limited:
+        ks = np.array([samplers[i].top_k for i in limited])
+        ids, values = top_candidates(_rows(logits, limited), int(ks.max()))
+        values = values.astype(np.float64)
+        values[np.arange(values.shape[1])[None, :] >= ks[:, None]] = -np.inf  # each row's own k
+        chosen = _draw(ids, values, [samplers[i] for i in limited], None)
+        for i, tok in zip(limited, chosen):
+            out[i] = tok
+    untruncated = [i for i in free if samplers[i].top_p >= 1.0 and samplers[i].min_p <= 0.0
+                   and not 0.0 < samplers[i].typical_p < 1.0]
+    for i in untruncated:  # the whole distribution: no order needed, one cumulative sum
+        s = samplers[i]
+        x = logits[i].astype(np.float64) / s.temperature
+        p = np.exp(x - np.max(x))
+        c = np.cumsum(p)
+        out[i] = int(min(np.searchsorted(c, s.rng.random() * c[-1], side="right"), vocab - 1))
+    nucleus = [i for i in free if i not in set(untruncated)]
+    if nucleus:
+        rows = logits[nucleus].astype(np.float64) / np.array([samplers[i].temperature for i in nucleus])[:, None]
+        peak = rows.max(axis=1, keepdims=True)
+        log_z = (peak[:, 0] + np.log(np.exp(rows - peak).sum(axis=1)))  # the whole row's normaliser
+        ids, values = top_candidates(rows, OPEN_CANDIDATES)
+        chosen = _draw(ids, values, [samplers[i] for i in nucleus], log_z, temperature_applied=True)
+        for i, tok in zip(nucleus, chosen):
+            more = OPEN_CANDIDATES
+            while tok is None:  # the nucleus reaches past the candidates: 16 times more, up to the whole row
+                more = min(vocab, more * 16)
+                row = rows[nucleus.index(i)][None, :]
+                more_ids, more_values = top_candidates(row, more)
+                tok = _draw(more_ids, more_values, [samplers[i]], log_z[[nucleus.index(i)]], temperature_applied=True,
+                            whole=more >= vocab)[0]
+            out[i] = int(tok)
+    return out
+
+
+def _draw(ids: np.ndarray, values: np.ndarray, samplers: Sequence[SeqSampler], log_z: np.ndarray | None, *,
+          temperature_applied: bool = False, whole: bool = False) -> list[Any]:
+    """One token per row from sorted candidates: temperature, softmax (over the candidates, or against ``log_z``,
+    the whole row's normaliser, when the candidates are a prefix of the row), top-p, min-p, typical-p. With
+    ``log_z`` and not ``whole``, a row whose cut does not fall inside its candidates gets None."""
+    values = values.astype(np.float64)
+    if not temperature_applied:
+        values = values / np.array([s.temperature for s in samplers], dtype=np.float64)[:, None]
+    if log_z is None:
+        probs = _softmax_rows(values)
+    else:
+        probs = np.exp(values - log_z[:, None])
     top_p = np.array([s.top_p for s in samplers], dtype=np.float64)
     cum = np.cumsum(probs, axis=1)
     keep = (cum - probs) < np.where(top_p >= 1.0, np.inf, top_p)[:, None]  # the first token is always kept
     min_p = np.array([s.min_p for s in samplers], dtype=np.float64)
     keep &= probs >= (min_p[:, None] * probs[:, :1])
     keep[:, 0] = True
+    out: list[Any] = [None] * len(samplers)
+    if log_z is not None and not whole:
+        complete = ~keep[:, -1]  # the cut is inside the candidates when their last one is cut (the rest are smaller)
+    else:
+        complete = np.ones(len(samplers), dtype=bool)
     probs = np.where(keep, probs, 0.0)
     for r, s in enumerate(samplers):
-        if 0.0 < s.typical_p < 1.0:
+        if complete[r] and 0.0 < s.typical_p < 1.0:
             probs[r] = _typical(probs[r], s.typical_p)
     totals = probs.sum(axis=1)
     draws = np.array([s.rng.random() for s in samplers]) * totals
     chosen = (np.cumsum(probs, axis=1) > draws[:, None]).argmax(axis=1)
-    return [int(idx[r, c]) for r, c in enumerate(chosen.tolist())]
+    for r, c in enumerate(chosen.tolist()):
+        if complete[r]:
+            out[r] = int(ids[r, c])
+    return out
 
 
 def _typical(p: np.ndarray, typical_p: float) -> np.ndarray:

@@ -77,3 +77,70 @@ def test_logprobs() -> None:
     lp = logprobs(row, 1, 2)
     assert lp["logprob"] == pytest.approx(np.log(0.25), abs=1e-5)
     assert [t for t, _ in lp["top"]] == [0, 1]
+
+
+def reference_distribution(row: np.ndarray, s: SeqSampler) -> dict[int, float]:
+    """Ollama's truncation done the slow, obvious way: sort the whole row, top-k, temperature, softmax over what
+    top-k kept, top-p, min-p; the probabilities of the tokens left, renormalised."""
+    order = np.argsort(-row, kind="stable")
+    k = s.top_k if 0 < s.top_k < row.shape[0] else row.shape[0]
+    kept = order[:k]
+    x = row[kept].astype(np.float64) / s.temperature
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    cum = np.cumsum(p)
+    keep = ((cum - p) < (s.top_p if s.top_p < 1.0 else np.inf)) & (p >= s.min_p * p[0])
+    keep[0] = True
+    q = np.where(keep, p, 0.0)
+    return {int(t): float(v / q.sum()) for t, v in zip(kept, q) if v > 0}
+
+
+@pytest.mark.parametrize("params", [
+    {"top_k": 40, "top_p": 0.9},
+    {"top_k": 0, "top_p": 0.9},  # no top-k: the nucleus is looked for among the best 256 first
+    {"top_k": 0, "top_p": 0.999, "temperature": 3.0},  # a nucleus of thousands of tokens: the wider searches
+    {"top_k": 0, "top_p": 1.0, "min_p": 0.05},
+    {"top_k": 0, "top_p": 1.0},  # nothing truncates: drawn from the whole row without sorting
+    {"top_k": 5000, "top_p": 1.0, "temperature": 2.0},
+])
+def test_sampled_frequencies_match_the_exact_distribution(params: dict[str, float]) -> None:
+    vocab = 6000
+    x = rows(1, vocab=vocab, seed=11)
+    s = SeqSampler.from_params({"repeat_penalty": 1.0, "seed": 5, **params}, 512)
+    ref = reference_distribution(x[0], s)
+    draws = 4000
+    counts: dict[int, int] = {}
+    for _ in range(draws):
+        tok = sample_rows(x.copy(), [s], [[]])[0]
+        counts[tok] = counts.get(tok, 0) + 1
+    assert set(counts) <= set(ref)  # never a token the truncation removed
+    # total variation distance between the empirical and the exact distribution, over 10 buckets of tokens of
+    # about equal mass when the tokens are too many for 4,000 draws to show each one's share
+    ranked = sorted(ref, key=lambda t: -ref[t])
+    mass_before = np.cumsum([0.0] + [ref[t] for t in ranked[:-1]])
+    bucket = {t: min(9, int(10 * m)) for t, m in zip(ranked, mass_before)} if len(ref) > 50 else {t: t for t in ref}
+    want: dict[int, float] = {}
+    got: dict[int, float] = {}
+    for t, p in ref.items():
+        want[bucket[t]] = want.get(bucket[t], 0.0) + p
+        got[bucket[t]] = got.get(bucket[t], 0.0) + counts.get(t, 0) / draws
+    tv = 0.5 * sum(abs(got[b] - want[b]) for b in want)
+    assert tv < 0.05, (len(ref), tv)
+
+
+def test_top_candidates_are_the_exact_top_k() -> None:
+    from daemon.runners.sampling import top_candidates
+
+    rng = np.random.default_rng(2)
+    for trial in range(200):
+        n, vocab, k = int(rng.integers(1, 5)), int(rng.integers(20, 9000)), int(rng.integers(1, 400))
+        x = rng.standard_normal((n, vocab)).astype(np.float32)
+        if trial % 3 == 0:
+            x = np.round(x * 2) / 2  # many equal values
+        ids, values = top_candidates(x, k)
+        kk = min(k, vocab)
+        for r in range(n):
+            assert values[r].tolist() == sorted(x[r].tolist(), reverse=True)[:kk]
+            assert x[r][ids[r]].tolist() == values[r].tolist() and len(set(ids[r].tolist())) == kk
+            ties = values[r][:-1] == values[r][1:]
+            assert (ids[r][:-1][ties] < ids[r][1:][ties]).all()  # equal values in id order
