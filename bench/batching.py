@@ -371,8 +371,7 @@ def render(table: dict[str, dict[int, dict[str, float]]], turns: dict[str, tuple
               "daemon: ~0.25 ms of daemon CPU per streamed token, taken from the two cores the step runs on."]
     if args.sample:
         lines += ["", "Sampling: corral draws every row together with numpy, top-k without a pass over the whole "
-                  "vocabulary (0.6 ms a step for four rows of SmolLM2's 49k vocabulary, 4.9 ms for 32 rows of a "
-                  "128k vocabulary, against 3.6 and 34 ms with one argpartition over all of it). A stream that "
+                  "vocabulary (a quarter of what one argpartition per row cost: see the sampling section). A stream that "
                   "samples the end of text at once yields no token, so a level can show 0 for one server."]
     lines += ["", "Time to first token, p50 / p95 (ms):", "",
               "| streams | corral | " + " | ".join(peers) + " |", "|---|---|" + "---|" * len(peers)]

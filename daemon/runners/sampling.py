@@ -2,9 +2,9 @@
 
 The batched runner (``engine.py``) hands this module one logits row per sequence that needs a token. Rows at
 temperature 0 take the argmax (all of them in one call when no row is penalised). Rows with a top_k find their
-k best tokens together without a pass of argpartition over the vocabulary (``top_candidates``: 0.6 ms for four
-rows of SmolLM2's 49k vocabulary with Ollama's defaults, 4.9 ms for 32 rows of 128k, against 3.6 and 34 ms
-before), then share one sort of the survivors and row-wise softmax, top-p and min-p masks. Rows without a top_k
+k best tokens together without a pass of argpartition over the vocabulary (``top_candidates``; with Ollama's
+defaults a quarter of the time that took: ``bench/sampling.py``), then share one sort of the survivors and
+row-wise softmax, top-p and min-p masks. Rows without a top_k
 draw from the whole row when nothing truncates it, else look for their nucleus among their best tokens first.
 Mirostat and typical-p, rare options, run per row. Each sequence has its own random generator, so a seeded
 request samples the same tokens whatever else is in the batch.
