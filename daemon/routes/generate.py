@@ -130,6 +130,7 @@ def _metrics(done: Done, started: float, lease: Lease) -> dict[str, Any]:
         "prompt_eval_duration": done.prompt_eval_duration,
         "eval_count": done.eval_count,
         "eval_duration": done.eval_duration,
+        "_prompt_cached": done.prompt_cached,  # for /v1's usage; removed before Ollama's wire
     }
 
 
@@ -214,7 +215,6 @@ async def run_generate(inf: Inference, req: GenerateRequestBody, started: float,
                 if not req.raw:
                     final["context"] = list(event.context)
                 final.update(_metrics(event, started, lease))
-                final["_prompt_cached"] = event.prompt_cached  # for /v1's usage; removed before Ollama's wire
                 yield final
 
     return None, chunks()
@@ -398,7 +398,6 @@ async def run_chat(inf: Inference, req: ChatRequestBody, started: float, *, coun
             final = {**base, "created_at": now_rfc3339(), "message": dict(empty_message), "done": True,
                      "done_reason": event.done_reason}
             final.update(_metrics(event, started, lease))
-            final["_prompt_cached"] = event.prompt_cached  # for /v1's usage; removed before Ollama's wire
             if event.stop_sequence is not None:
                 final["_stop_sequence"] = event.stop_sequence  # for /v1/messages; removed before Ollama's wire
             yield tell(final)

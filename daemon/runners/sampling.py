@@ -100,7 +100,7 @@ def sample_rows(logits: np.ndarray, samplers: Sequence[SeqSampler], windows: Seq
     """One token per row of ``logits`` (shape ``(rows, vocab)``, modified in place)."""
     n_rows, vocab = logits.shape
     if all(s.greedy and not s.penalised for s in samplers):  # the common case at temperature 0: one argmax
-        return [int(t) for t in np.argmax(logits, axis=1).tolist()]
+        return list(np.argmax(logits, axis=1).tolist())
     out = [0] * n_rows
     for i, s in enumerate(samplers):
         if s.penalised:
@@ -163,66 +163,56 @@ def _sample_truncated(logits: np.ndarray, samplers: Sequence[SeqSampler]) -> lis
     nucleus ends among them (checked against the whole row's normaliser), else from the whole row sorted."""
     n_rows, vocab = logits.shape
     out = [0] * n_rows
+    temps = np.array([s.temperature for s in samplers], dtype=np.float64)[:, None]
     limited = [i for i, s in enumerate(samplers) if 0 < s.top_k < vocab]
-    free = [i for i in range(n_rows) if i not in set(limited)]
+    untruncated, nucleus = [], []
+    for i, s in enumerate(samplers):
+        if not 0 < s.top_k < vocab:
+            plain = s.top_p >= 1.0 and s.min_p <= 0.0 and not 0.0 < s.typical_p < 1.0
+            (untruncated if plain else nucleus).append(i)
     if limited:
         ks = np.array([samplers[i].top_k for i in limited])
         ids, values = top_candidates(_rows(logits, limited), int(ks.max()))
-        values = values.astype(np.float64)
+        values = values.astype(np.float64) / temps[limited]
         values[np.arange(values.shape[1])[None, :] >= ks[:, None]] = -np.inf  # each row's own k
-        chosen = _draw(ids, values, [samplers[i] for i in limited], None)
-        for i, tok in zip(limited, chosen):
+        for i, tok in zip(limited, _draw(ids, values, [samplers[i] for i in limited], None)):
             out[i] = tok
-    untruncated = [i for i in free if samplers[i].top_p >= 1.0 and samplers[i].min_p <= 0.0
-                   and not 0.0 < samplers[i].typical_p < 1.0]
     for i in untruncated:  # the whole distribution: no order needed, one cumulative sum
-        s = samplers[i]
-        x = logits[i].astype(np.float64) / s.temperature
-        p = np.exp(x - np.max(x))
-        c = np.cumsum(p)
-        out[i] = int(min(np.searchsorted(c, s.rng.random() * c[-1], side="right"), vocab - 1))
-    nucleus = [i for i in free if i not in set(untruncated)]
+        x = logits[i].astype(np.float64) / temps[i]
+        c = np.cumsum(np.exp(x - np.max(x)))
+        out[i] = int(min(np.searchsorted(c, samplers[i].rng.random() * c[-1], side="right"), vocab - 1))
     if nucleus:
-        rows = logits[nucleus].astype(np.float64) / np.array([samplers[i].temperature for i in nucleus])[:, None]
+        rows = logits[nucleus].astype(np.float64) / temps[nucleus]
         peak = rows.max(axis=1, keepdims=True)
-        log_z = (peak[:, 0] + np.log(np.exp(rows - peak).sum(axis=1)))  # the whole row's normaliser
+        log_z = peak[:, 0] + np.log(np.exp(rows - peak).sum(axis=1))  # the whole row's normaliser
         ids, values = top_candidates(rows, OPEN_CANDIDATES)
-        chosen = _draw(ids, values, [samplers[i] for i in nucleus], log_z, temperature_applied=True)
-        for i, tok in zip(nucleus, chosen):
+        chosen = _draw(ids, values, [samplers[i] for i in nucleus], log_z)
+        for r, (i, tok) in enumerate(zip(nucleus, chosen)):
             more = OPEN_CANDIDATES
             while tok is None:  # the nucleus reaches past the candidates: 16 times more, up to the whole row
                 more = min(vocab, more * 16)
-                row = rows[nucleus.index(i)][None, :]
-                more_ids, more_values = top_candidates(row, more)
-                tok = _draw(more_ids, more_values, [samplers[i]], log_z[[nucleus.index(i)]], temperature_applied=True,
-                            whole=more >= vocab)[0]
+                more_ids, more_values = top_candidates(rows[r:r + 1], more)
+                # the whole row is its own normaliser: nothing lies past it
+                tok = _draw(more_ids, more_values, [samplers[i]], None if more >= vocab else log_z[r:r + 1])[0]
             out[i] = int(tok)
     return out
 
 
-def _draw(ids: np.ndarray, values: np.ndarray, samplers: Sequence[SeqSampler], log_z: np.ndarray | None, *,
-          temperature_applied: bool = False, whole: bool = False) -> list[Any]:
-    """One token per row from sorted candidates: temperature, softmax (over the candidates, or against ``log_z``,
-    the whole row's normaliser, when the candidates are a prefix of the row), top-p, min-p, typical-p. With
-    ``log_z`` and not ``whole``, a row whose cut does not fall inside its candidates gets None."""
-    values = values.astype(np.float64)
-    if not temperature_applied:
-        values = values / np.array([s.temperature for s in samplers], dtype=np.float64)[:, None]
-    if log_z is None:
-        probs = _softmax_rows(values)
-    else:
-        probs = np.exp(values - log_z[:, None])
+def _draw(ids: np.ndarray, values: np.ndarray, samplers: Sequence[SeqSampler], log_z: np.ndarray | None,
+          ) -> list[Any]:
+    """One token per row from candidates sorted best first, their values already divided by the temperature:
+    softmax over the candidates, or, given ``log_z``, against the whole row's normaliser (the candidates are then
+    the row's best tokens, not all of them), top-p, min-p, typical-p. With ``log_z``, a row whose cut does not
+    fall inside its candidates gets None."""
+    probs = _softmax_rows(values) if log_z is None else np.exp(values - log_z[:, None])
     top_p = np.array([s.top_p for s in samplers], dtype=np.float64)
     cum = np.cumsum(probs, axis=1)
     keep = (cum - probs) < np.where(top_p >= 1.0, np.inf, top_p)[:, None]  # the first token is always kept
     min_p = np.array([s.min_p for s in samplers], dtype=np.float64)
     keep &= probs >= (min_p[:, None] * probs[:, :1])
     keep[:, 0] = True
-    out: list[Any] = [None] * len(samplers)
-    if log_z is not None and not whole:
-        complete = ~keep[:, -1]  # the cut is inside the candidates when their last one is cut (the rest are smaller)
-    else:
-        complete = np.ones(len(samplers), dtype=bool)
+    # with log_z, the cut is inside the candidates when their last one is cut (every later token is smaller)
+    complete = np.ones(len(samplers), dtype=bool) if log_z is None else ~keep[:, -1]
     probs = np.where(keep, probs, 0.0)
     for r, s in enumerate(samplers):
         if complete[r] and 0.0 < s.typical_p < 1.0:
@@ -230,10 +220,7 @@ def _draw(ids: np.ndarray, values: np.ndarray, samplers: Sequence[SeqSampler], l
     totals = probs.sum(axis=1)
     draws = np.array([s.rng.random() for s in samplers]) * totals
     chosen = (np.cumsum(probs, axis=1) > draws[:, None]).argmax(axis=1)
-    for r, c in enumerate(chosen.tolist()):
-        if complete[r]:
-            out[r] = int(ids[r, c])
-    return out
+    return [int(ids[r, c]) if complete[r] else None for r, c in enumerate(chosen.tolist())]
 
 
 def _typical(p: np.ndarray, typical_p: float) -> np.ndarray:
