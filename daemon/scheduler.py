@@ -15,15 +15,18 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from daemon.eviction import Budget, Loaded, decide
-from daemon.runners.base import LoadSpec, MemoryUse, Runner, RunnerError
+from daemon.fallback import Fallbacks, signal_name
+from daemon.runners.base import LoadFailed, LoadSpec, MemoryUse, Runner, RunnerCrashed, RunnerError
 from registry.errors import CorralError
 
 log = logging.getLogger(__name__)
 
 FOREVER = math.inf
+T = TypeVar("T")
+MAX_REQUEST_RETRIES = 3  # a request runs again at most this often after its runner crashed on its first decode
 
 
 class SchedulerError(CorralError):
@@ -56,7 +59,7 @@ class InsufficientMemory(SchedulerError):
 class ModelRef:
     """What the scheduler needs to know about a model besides its LoadSpec."""
 
-    key: str  # the full model name
+    key: str  # what a runner is loaded for: the weights (model file and adapters), shared by every alias of them
     name: str  # short display name
     digest: str = ""
     details: dict[str, Any] = field(default_factory=dict)
@@ -77,6 +80,14 @@ class Entry:
     timer: asyncio.TimerHandle | None = None
     expires_at: float | None = None  # clock time; None while in use
     unload_when_idle: bool = False
+    effective: LoadSpec | None = None  # what the runner was really loaded with (a safer fallback, or ``spec``)
+    fallback: str | None = None  # why ``effective`` differs from ``spec``, as ps shows it
+    names: dict[str, float] = field(default_factory=dict)  # the model names served by this runner, last use
+    crash_counted: bool = False
+
+    @property
+    def loaded_spec(self) -> LoadSpec:
+        return self.effective or self.spec
 
 
 @dataclass
@@ -90,17 +101,48 @@ class _Pending:
 class Lease:
     """A hold on a loaded runner; releasing it starts the model's keep-alive timer."""
 
-    def __init__(self, scheduler: Scheduler, entry: Entry, load_duration: float) -> None:
+    def __init__(self, scheduler: Scheduler, entry: Entry, load_duration: float, *, ref: ModelRef | None = None,
+                 spec: LoadSpec | None = None, keep_alive: float | None = None) -> None:
         self._scheduler = scheduler
         self.entry = entry
         self.runner = entry.runner
+        self.ref = ref or entry.ref  # the model the request named (an alias shares its weights' runner)
+        self.spec = spec or entry.spec
+        self.keep_alive = keep_alive
         self.load_duration = load_duration  # seconds spent waiting for the runner (queue + load)
+        self.retries = 0
         self._released = False
 
     def release(self) -> None:
         if not self._released:
             self._released = True
             self._scheduler._release(self.entry)
+
+    def may_retry(self, exc: BaseException) -> bool:
+        """Whether a request whose runner just died can run again on a safer configuration: the runner died by
+        a signal on its first decode, and the ladder of configurations has steps left to take."""
+        return (isinstance(exc, RunnerCrashed) and exc.early and exc.signal is not None
+                and self.retries < MAX_REQUEST_RETRIES and self._scheduler.fallbacks is not None)
+
+    async def call(self, work: Callable[[Runner], Awaitable[T]]) -> T:
+        """``work(runner)``, run again on a safer runner if this one dies by a signal on its first decode."""
+        while True:
+            try:
+                return await work(self.runner)
+            except RunnerCrashed as exc:
+                if not self.may_retry(exc):
+                    raise
+                await self.retry_after_crash(exc)
+
+    async def retry_after_crash(self, exc: RunnerCrashed) -> None:
+        """Record that this runner's configuration crashed, and hold a runner loaded one step safer instead."""
+        self._scheduler.first_decode_crashed(self.entry, exc)
+        self.release()
+        started = self._scheduler._clock()
+        fresh = await self._scheduler.acquire(self.ref, self.spec, self.keep_alive)
+        self.entry, self.runner, self._released = fresh.entry, fresh.runner, False
+        self.load_duration += self._scheduler._clock() - started
+        self.retries += 1
 
     async def __aenter__(self) -> Lease:
         return self
@@ -124,6 +166,7 @@ class Scheduler:
         max_queue: int = 512,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        fallbacks: Fallbacks | None = None,
     ) -> None:
         self._factory = runner_factory
         self._estimate = estimate
@@ -131,6 +174,7 @@ class Scheduler:
         self.default_keep_alive = default_keep_alive
         self._clock = clock
         self._wall = wall_clock
+        self.fallbacks = fallbacks
         self._loaded: dict[str, Entry] = {}
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue(maxsize=max(1, max_queue))
         self._changed = asyncio.Event()
@@ -162,14 +206,16 @@ class Scheduler:
         """A lease on a runner for ``ref`` loaded with ``spec`` (loading, evicting or queueing as needed)."""
         if self._closing:
             raise SchedulerError("the server is shutting down")
+        if self.fallbacks is not None and (blocked := self.fallbacks.blocked(spec)) is not None:
+            raise blocked
         started = self._clock()
         entry = self._loaded.get(ref.key)
         if entry is not None and entry.spec == spec and not entry.unload_when_idle:
             if entry.loading and entry.ready is not None:
                 await asyncio.shield(entry.ready)
             if self._loaded.get(ref.key) is entry and entry.runner.alive():
-                self._grant(entry, keep_alive)
-                return Lease(self, entry, self._clock() - started)
+                self._grant(entry, keep_alive, ref)
+                return Lease(self, entry, self._clock() - started, ref=ref, spec=spec, keep_alive=keep_alive)
         future: asyncio.Future[Entry] = asyncio.get_running_loop().create_future()
         try:
             self._queue.put_nowait(_Pending(ref, spec, keep_alive, future))
@@ -183,7 +229,7 @@ class Scheduler:
                 self._release(future.result())  # granted just as the client left
             future.cancel()
             raise
-        return Lease(self, entry, self._clock() - started)
+        return Lease(self, entry, self._clock() - started, ref=ref, spec=spec, keep_alive=keep_alive)
 
     def queue_depth(self) -> int:
         return self._queue.qsize()
@@ -213,9 +259,12 @@ class Scheduler:
         return out
 
     # -- internals ---------------------------------------------------------------------------------------------
-    def _grant(self, entry: Entry, keep_alive: float | None) -> None:
+    def _grant(self, entry: Entry, keep_alive: float | None, ref: ModelRef | None = None) -> None:
         entry.refs += 1
         entry.last_used = self._clock()
+        if ref is not None:
+            entry.ref = ref  # ps names the runner after the model that used it last
+            entry.names[ref.name] = entry.last_used
         if keep_alive is not None:
             entry.keep_alive = keep_alive
         if entry.timer is not None:
@@ -229,6 +278,8 @@ class Scheduler:
         self._changed.set()
         if entry.refs > 0 or self._loaded.get(entry.ref.key) is not entry:
             return
+        if not entry.runner.alive():
+            self._note_crash(entry)
         if entry.keep_alive <= 0 or entry.unload_when_idle or not entry.runner.alive():
             self._spawn(self._unload(entry, reason="keep_alive" if entry.runner.alive() else "crashed"))
         elif entry.keep_alive != FOREVER:
@@ -291,7 +342,7 @@ class Scheduler:
                     if entry.loading and entry.ready is not None:
                         await asyncio.shield(entry.ready)
                         continue
-                    self._grant(entry, p.keep_alive)
+                    self._grant(entry, p.keep_alive, p.ref)
                     p.future.set_result(entry)
                     return
                 # Options changed (or the runner died): reload once it is idle.
@@ -325,34 +376,51 @@ class Scheduler:
             await asyncio.wait_for(self._changed.wait(), timeout=0.5)
 
     async def _load(self, p: _Pending, need: MemoryUse) -> None:
-        runner = self._factory(p.ref, p.spec)
+        if self.fallbacks is not None and (blocked := self.fallbacks.blocked(p.spec)) is not None:
+            p.future.set_exception(blocked)
+            return
+        effective, note = self.fallbacks.effective(p.spec) if self.fallbacks is not None else (p.spec, None)
         now = self._clock()
         keep = p.keep_alive if p.keep_alive is not None else self.default_keep_alive
-        entry = Entry(ref=p.ref, spec=p.spec, runner=runner, memory=need, keep_alive=keep, loaded_at=now,
-                      last_used=now, ready=asyncio.get_running_loop().create_future())
+        entry = Entry(ref=p.ref, spec=p.spec, runner=self._factory(p.ref, effective), memory=need, keep_alive=keep,
+                      loaded_at=now, last_used=now, ready=asyncio.get_running_loop().create_future(),
+                      effective=effective, fallback=note)
         self._loaded[p.ref.key] = entry
         started = time.monotonic()
-        log.info("load model=%s num_ctx=%d num_gpu=%d ram=%d vram=%d", p.ref.name, p.spec.num_ctx, p.spec.num_gpu,
-                 need.ram, need.vram)
-        try:
-            await runner.start()
-        except BaseException as exc:
-            if self._loaded.get(p.ref.key) is entry:
-                del self._loaded[p.ref.key]
-            assert entry.ready is not None
-            entry.ready.set_result(None)
-            self._changed.set()
-            with contextlib.suppress(Exception):
-                await runner.close()
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            if not p.future.done():
-                p.future.set_exception(exc if isinstance(exc, CorralError) else RunnerError(str(exc)))
-            return
+        log.info("load model=%s num_ctx=%d num_gpu=%d ram=%d vram=%d%s", p.ref.name, effective.num_ctx,
+                 effective.num_gpu, need.ram, need.vram, f" config=\"{note}\"" if note else "")
+        while True:
+            try:
+                await entry.runner.start()
+                break
+            except BaseException as exc:
+                with contextlib.suppress(Exception):
+                    await entry.runner.close()
+                retry = self._safer_after(entry, exc)
+                if retry is not None and not isinstance(exc, asyncio.CancelledError):
+                    entry.effective, entry.fallback = retry
+                    entry.runner = self._factory(p.ref, retry[0])
+                    continue
+                if self._loaded.get(p.ref.key) is entry:
+                    del self._loaded[p.ref.key]
+                assert entry.ready is not None
+                entry.ready.set_result(None)
+                self._changed.set()
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                if (isinstance(exc, LoadFailed) and exc.signal is not None and self.fallbacks is not None):
+                    exc = self.fallbacks.give_up(p.spec, p.ref.name, exc.signal)
+                if not p.future.done():
+                    p.future.set_exception(exc if isinstance(exc, CorralError) else RunnerError(str(exc)))
+                return
         seconds = time.monotonic() - started
+        if self.fallbacks is not None and entry.loaded_spec != p.spec:
+            crashed = self.fallbacks.tried(p.spec)
+            if crashed:
+                self.fallbacks.worked(p.spec, entry.loaded_spec, "; ".join(dict.fromkeys(crashed.values())))
         self.counters["loads"] += 1
         self.counters["load_seconds"] += seconds
-        reported = runner.memory
+        reported = entry.runner.memory
         if reported.total > 0:
             entry.memory = reported
         entry.loading = False
@@ -364,5 +432,44 @@ class Scheduler:
             entry.refs += 1
             self._release(entry)
             return
-        self._grant(entry, p.keep_alive)
+        self._grant(entry, p.keep_alive, p.ref)
         p.future.set_result(entry)
+
+    # -- native faults (daemon/fallback.py) ------------------------------------------------------------------------
+    def _safer_after(self, entry: Entry, exc: BaseException) -> tuple[LoadSpec, str] | None:
+        """After a load that died by a signal: the next configuration to load with, and why (None: give up)."""
+        if self.fallbacks is None or not isinstance(exc, LoadFailed) or exc.signal is None:
+            return None
+        what = f"killed by {signal_name(exc.signal)} during {exc.stage}"
+        step = self.fallbacks.failed(entry.loaded_spec, what)
+        if step is None:
+            log.warning("runner crashed model=%s %s config=\"%s\"; no safer configuration left", entry.ref.name,
+                        what, entry.loaded_spec)
+            return None
+        log.warning("runner crashed model=%s %s; loading it again with %s", entry.ref.name, what, step[1])
+        self.counters["fallbacks"] = self.counters.get("fallbacks", 0) + 1
+        return step[0], f"{step[1]} (after the runner was {what})"
+
+    def first_decode_crashed(self, entry: Entry, exc: RunnerCrashed) -> None:
+        """A runner died by a signal on its first decode: its configuration is marked as crashing, so the next
+        load of these weights takes the next safer one."""
+        if self.fallbacks is None or exc.signal is None:
+            return
+        spec = entry.loaded_spec
+        if spec in self.fallbacks.tried(spec):
+            return  # another request on the same runner reported it already
+        what = f"killed by {signal_name(exc.signal)} on its first decode"
+        step = self.fallbacks.failed(spec, what)
+        log.warning("runner crashed model=%s %s; %s", entry.ref.name, what,
+                    f"loading it again with {step[1]}" if step else "no safer configuration left")
+        if step is None:
+            self.fallbacks.give_up(entry.spec, entry.ref.name, exc.signal)
+
+    def _note_crash(self, entry: Entry) -> None:
+        """A runner that had served died: count it towards a crash loop (daemon/fallback.py)."""
+        sig = getattr(entry.runner, "exit_signal", None)
+        if self.fallbacks is None or not getattr(entry.runner, "decoded", False) or entry.crash_counted:
+            return
+        entry.crash_counted = True
+        what = f"killed by {signal_name(sig)}" if sig else "the runner exited"
+        self.fallbacks.late_crash(entry.loaded_spec, entry.ref.name, what, sig)

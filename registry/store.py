@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 TEMP_PREFIX = "sha256-tmp-"
 LOCK_NAME = ".corral.lock"
+RUNNER_STATE_NAME = ".corral-runners.json"  # the runner configurations that worked, per model and machine
+MAX_RUNNER_STATE = 1 << 20
 PRUNE_GRACE_SECONDS = 3600.0
 PARTIAL_SUFFIX = "-partial"
 PARTIAL_STATE_SUFFIX = "-partial.json"
@@ -362,7 +364,19 @@ class Store:
             raise StoreError(f"refusing to write a manifest whose blobs are missing: {', '.join(map(str, missing))}")
         self._write_file_atomic(self.manifest_path(name), manifest.raw or manifest.to_bytes())
 
-    def _write_file_atomic(self, path: Path, data: bytes) -> None:
+    def read_runner_state(self) -> bytes | None:
+        """The daemon's remembered runner configurations (``daemon/fallback.py``), or None."""
+        try:
+            with open(self.root / RUNNER_STATE_NAME, "rb") as f:
+                data = f.read(MAX_RUNNER_STATE + 1)
+        except OSError:
+            return None
+        return data if len(data) <= MAX_RUNNER_STATE else None
+
+    def write_runner_state(self, data: bytes) -> None:
+        self._write_file_atomic(self.root / RUNNER_STATE_NAME, data, what="runner state")
+
+    def _write_file_atomic(self, path: Path, data: bytes, what: str = "manifest") -> None:
         tmp = path.parent / f".{path.name}.tmp-{secrets.token_hex(8)}"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -376,7 +390,7 @@ class Store:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            raise StoreError(f"could not write manifest {path}: {exc.strerror or exc}") from exc
+            raise StoreError(f"could not write {what} {path}: {exc.strerror or exc}") from exc
 
     def iter_manifests(self) -> Iterator[tuple[ModelName, Path]]:
         """Every manifest file whose path is a valid model name (others are ignored)."""

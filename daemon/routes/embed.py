@@ -42,7 +42,7 @@ async def run_embed(inf: Inference, req: EmbedRequestBody, started: float) -> di
     async with await inf.acquire(ctx, spec, keep_alive_value(req.keep_alive)) as lease:
         if not inputs:
             return {"model": req.model_name, "embeddings": []}
-        result = await lease.runner.embed(inputs, truncate=req.truncate)
+        result = await lease.call(lambda runner: runner.embed(inputs, truncate=req.truncate))
     vectors = []
     for vec in result.vectors:
         v = normalise(vec)
@@ -77,7 +77,7 @@ async def embeddings(request: Request) -> dict[str, Any]:
     async with await inf.acquire(ctx, spec, keep_alive_value(req.keep_alive)) as lease:
         if not req.prompt:
             return {"embedding": []}
-        result = await lease.runner.embed([req.prompt], truncate=True)
+        result = await lease.call(lambda runner: runner.embed([req.prompt], truncate=True))
     vec = result.vectors[0]
     if any(math.isnan(x) or math.isinf(x) for x in vec):
         raise InvalidRequest("embedding contains NaN or Inf values")

@@ -21,7 +21,7 @@ from daemon.bodies import read_model
 from daemon.errors import error_response
 from daemon.observe import note
 from daemon.inference import Inference, ModelContext, keep_alive_value, now_rfc3339
-from daemon.runners.base import Done, GenerateRequest, SampleParams, Token
+from daemon.runners.base import Done, GenerateRequest, RunnerCrashed, SampleParams, Token
 from daemon.scheduler import Lease
 from daemon.schemas import ChatMessage, ChatRequestBody, GenerateRequestBody, InferenceRequest
 from registry.errors import CorralError, InvalidRequest, ModelNotFound
@@ -120,7 +120,7 @@ def _check_images(ctx: ModelContext, images: list[str] | None) -> None:
 
 
 def _metrics(done: Done, started: float, lease: Lease) -> dict[str, Any]:
-    note(model=lease.entry.ref.name, prompt_eval_count=done.prompt_eval_count, prompt_cached=done.prompt_cached,
+    note(model=lease.ref.name, prompt_eval_count=done.prompt_eval_count, prompt_cached=done.prompt_cached,
          eval_count=done.eval_count,
          eval_duration=done.eval_duration, ttft=lease.load_duration + done.prompt_eval_duration / 1e9)
     return {
@@ -135,13 +135,26 @@ def _metrics(done: Done, started: float, lease: Lease) -> dict[str, Any]:
 
 
 async def _stream_tokens(lease: Lease, greq: GenerateRequest) -> AsyncIterator[Token | Done]:
-    """The runner's events, with the lease held until the last one (or until the client leaves)."""
-    gen = lease.runner.generate(greq)
+    """The runner's events, with the lease held until the last one (or until the client leaves). A runner that
+    dies by a signal on its first decode, before anything was sent, is loaded again one step safer and the request
+    runs again there (daemon/fallback.py): the user sees an answer, not the crash."""
     try:
-        async for event in gen:
-            yield event
+        while True:
+            sent = False
+            gen = lease.runner.generate(greq)
+            try:
+                async for event in gen:
+                    sent = True
+                    yield event
+                return
+            except RunnerCrashed as exc:
+                if sent or not lease.may_retry(exc):
+                    raise
+                crash = exc
+            finally:
+                await gen.aclose()  # type: ignore[attr-defined]
+            await lease.retry_after_crash(crash)
     finally:
-        await gen.aclose()  # type: ignore[attr-defined]
         lease.release()
 
 

@@ -20,11 +20,22 @@ class RunnerError(CorralError):
 
 
 class LoadFailed(RunnerError):
-    pass
+    """The model could not be loaded. ``signal`` is set when the runner died by one (a native fault), with the
+    ``stage`` it was at ("load" or "warm-up")."""
+
+    def __init__(self, message: str, *, signal: int | None = None, stage: str = "load") -> None:
+        super().__init__(message)
+        self.signal = signal
+        self.stage = stage
 
 
 class RunnerCrashed(RunnerError):
-    pass
+    """The runner died while serving. ``early``: before it had finished any decode (its first decode crashed)."""
+
+    def __init__(self, message: str, *, signal: int | None = None, early: bool = False) -> None:
+        super().__init__(message)
+        self.signal = signal
+        self.early = early
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,11 @@ class LoadSpec:
     num_parallel: int = 1
     embedding: bool = False
     prompt_cache: int = 0  # bytes of host RAM for sequences saved from reused slots (counted as the model's RAM)
+    flash_attn: str = "auto"  # "auto" (llama.cpp decides), "on" or "off" (CORRAL_FLASH_ATTENTION)
+    kv_cache_type: str = "f16"  # f16, q8_0 or q4_0 for both K and V (CORRAL_KV_CACHE_TYPE; quantized needs flash attention)
+    main_gpu: int = 0  # the GPU that holds the whole model when it is not split, and the small tensors when it is
+    tensor_split: tuple[float, ...] = ()  # share of the offloaded layers per GPU (empty: llama.cpp's own split)
+    extra_bufts: bool = True  # llama.cpp's extra CPU buffer types (weight repacking, AMX); off is the safe fallback
 
 
 @dataclass(frozen=True)

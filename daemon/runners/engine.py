@@ -116,8 +116,10 @@ class Seq:
 
 class Engine:
     def __init__(self, lc: Any, ctx: Any, vocab: Any, *, n_parallel: int, n_ctx_slot: int, n_batch: int,
-                 emit: Emit, chunk: int | None = None, cache_bytes: int = 0) -> None:
+                 emit: Emit, chunk: int | None = None, cache_bytes: int = 0,
+                 before_first_decode: Callable[[], None] | None = None) -> None:
         self.lc, self.ctx, self.vocab = lc, ctx, vocab
+        self._before_first_decode = before_first_decode
         self.cache_bytes = max(0, cache_bytes)
         self.saved: list[Saved] = []  # oldest first
         self.spare: list[np.ndarray] = []  # buffers of entries that left, written once already: fast to reuse
@@ -414,6 +416,9 @@ class Engine:
         if n == 0:
             return
         batch.n_tokens = n
+        if self._before_first_decode is not None:
+            hook, self._before_first_decode = self._before_first_decode, None
+            hook()
         rc = lc.llama_decode(self.ctx, batch)
         if rc != 0:
             raise EngineError(f"llama_decode failed ({rc}): the context is full or the batch is too large", 500)

@@ -20,6 +20,56 @@ from typing import Any
 
 from daemon.runners.protocol import encode, read_frame
 
+KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml_type values (GGML_TYPE_F16, _Q8_0, _Q4_0)
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
+FAULT_ENV = "CORRAL_TEST_FAULT"
+
+
+def _inject_fault(stage: str, spec: dict[str, Any]) -> None:
+    """Test-only fault injection (docs/runner-faults.md): ``CORRAL_TEST_FAULT=<stage>`` makes this runner die by
+    SIGSEGV at that stage (``warmup``, ``first-decode``) while llama.cpp's extra buffer types are on, as
+    llama.cpp's AMX kernels do on some Intel CPUs; ``<stage>-always`` whatever the configuration. Unset in
+    production: nothing happens."""
+    wanted = os.environ.get(FAULT_ENV, "")
+    if not wanted:
+        return
+    always = wanted.endswith("-always")
+    if wanted.removesuffix("-always") != stage or not (always or spec.get("extra_bufts", True)):
+        return
+    sys.stderr.write(f"corral test fault: SIGSEGV at {stage} ({FAULT_ENV}={wanted})\n")
+    sys.stderr.flush()
+    import signal
+
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+class _model_params_patch:
+    """While a high-level ``Llama`` is built, its default model params carry ``use_extra_bufts`` (Llama() has no
+    argument for it)."""
+
+    def __init__(self, lc: Any, extra_bufts: bool) -> None:
+        self.lc, self.extra_bufts = lc, extra_bufts
+        self.original: Any = None
+
+    def __enter__(self) -> None:
+        import llama_cpp.llama_cpp as low
+
+        self.original = low.llama_model_default_params
+        extra = self.extra_bufts
+
+        def patched() -> Any:
+            params = self.original()
+            params.use_extra_bufts = extra
+            return params
+
+        low.llama_model_default_params = patched
+
+    def __exit__(self, *exc: object) -> None:
+        import llama_cpp.llama_cpp as low
+
+        low.llama_model_default_params = self.original
+
+
 class RequestError(Exception):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
@@ -52,6 +102,7 @@ class Runner:
         self.engine: Any = None
         self.log_lines: list[str] = []
         self.spec: dict[str, Any] = {}
+        self._embedded = False
         self._log_cb = llama_cpp.llama_log_callback(self._on_log)
         llama_cpp.llama_log_set(self._log_cb, ctypes.c_void_p(0))
 
@@ -73,26 +124,37 @@ class Runner:
         if not os.path.isfile(spec["model_path"]):
             raise RequestError(f"model file {spec['model_path']} does not exist", 500)
         adapters = spec.get("adapters") or []
+        lc = self.lc
+        kv_type = KV_TYPES.get(str(spec.get("kv_cache_type") or "f16"), lc.GGML_TYPE_F16)
+        flash = FLASH_ATTN.get(str(spec.get("flash_attn") or "auto"), -1)
         if spec.get("embedding"):
             kwargs: dict[str, Any] = dict(
                 model_path=spec["model_path"], n_ctx=n_ctx, n_batch=n_batch,
                 n_gpu_layers=int(spec.get("num_gpu", 0)), n_threads=threads, n_threads_batch=threads,
-                embedding=True, verbose=False, seed=0,
+                embedding=True, verbose=False, seed=0, main_gpu=int(spec.get("main_gpu") or 0),
+                type_k=kv_type, type_v=kv_type,
             )
+            if flash >= 0:
+                kwargs["flash_attn"] = bool(flash)
+            if spec.get("tensor_split"):
+                kwargs["tensor_split"] = [float(x) for x in spec["tensor_split"]]
             if spec.get("use_mmap") is not None:
                 kwargs["use_mmap"] = bool(spec["use_mmap"])
             if adapters:
                 kwargs["lora_path"] = adapters[0]
-            self.llm = self.lc.Llama(**kwargs)
+            with _model_params_patch(lc, bool(spec.get("extra_bufts", True))):
+                self.llm = lc.Llama(**kwargs)
             self.model = self.llm._model
+            self.chan.send({"type": "stage", "stage": "warm-up"})
+            _inject_fault("warmup", spec)
+            self.llm.embed("warm up", normalize=False, truncate=True)  # the same kernels as a request, see _warm_up
             return
         from llama_cpp import _internals
 
         from daemon.runners.engine import Engine
 
-        lc = self.lc
         mparams = lc.llama_model_default_params()
-        mparams.n_gpu_layers = int(spec.get("num_gpu", 0))
+        self._model_params(mparams, spec)
         if spec.get("use_mmap") is not None:
             mparams.use_mmap = bool(spec["use_mmap"]) and not adapters
         self.model = _internals.LlamaModel(path_model=spec["model_path"], params=mparams, verbose=False)
@@ -105,6 +167,12 @@ class Runner:
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.no_perf = True
+        cparams.type_k = kv_type
+        cparams.type_v = kv_type
+        if flash >= 0 or kv_type != lc.GGML_TYPE_F16:
+            # a quantized V cache needs flash attention (llama.cpp refuses it otherwise); the daemon has already
+            # refused CORRAL_FLASH_ATTENTION=false with a quantized CORRAL_KV_CACHE_TYPE
+            cparams.flash_attn_type = 1 if flash != 0 else 0
         self.context = _internals.LlamaContext(model=self.model, params=cparams, verbose=False)
         for path in adapters:
             adapter = lc.llama_adapter_lora_init(self.model.model, path.encode("utf-8"))
@@ -112,9 +180,55 @@ class Runner:
                 raise RequestError(f"llama.cpp could not load the adapter {path}", 500)
             lc.llama_set_adapters_lora(self.context.ctx, (lc.llama_adapter_lora_p_ctypes * 1)(adapter), 1,
                                        (ctypes.c_float * 1)(1.0))
+        self._warm_up(self.context.ctx, self.model)
         self.engine = Engine(lc, self.context.ctx, self.model.vocab, n_parallel=n_parallel,
                              n_ctx_slot=int(spec["num_ctx"]), n_batch=n_batch, emit=self.chan.send_many,
-                             cache_bytes=int(spec.get("prompt_cache") or 0))
+                             cache_bytes=int(spec.get("prompt_cache") or 0),
+                             before_first_decode=lambda: _inject_fault("first-decode", spec))
+
+    def _model_params(self, mparams: Any, spec: dict[str, Any]) -> None:
+        lc = self.lc
+        mparams.n_gpu_layers = int(spec.get("num_gpu", 0))
+        mparams.main_gpu = int(spec.get("main_gpu") or 0)
+        mparams.use_extra_bufts = bool(spec.get("extra_bufts", True))
+        split = [float(x) for x in spec.get("tensor_split") or ()][: lc.LLAMA_MAX_DEVICES]
+        if split:
+            self._tensor_split = (ctypes.c_float * lc.LLAMA_MAX_DEVICES)(*split)  # kept alive with the runner
+            mparams.tensor_split = ctypes.cast(self._tensor_split, ctypes.POINTER(ctypes.c_float))
+
+    def _warm_up(self, ctx: Any, model: Any) -> None:
+        """One short prompt-sized decode and one single-token decode before the runner says it is loaded: a
+        kernel that faults on this CPU or GPU (llama.cpp's AMX path, a bad driver) kills the runner here, while
+        the daemon can still load it again with a safer configuration, and not in a user's request."""
+        lc = self.lc
+        self.chan.send({"type": "stage", "stage": "warm-up"})
+        _inject_fault("warmup", self.spec)
+        n_ctx = int(lc.llama_n_ctx(ctx))
+        n = max(1, min(16, int(lc.llama_n_batch(ctx)), n_ctx - 1))
+        bos = model.token_bos()
+        first = bos if bos >= 0 else 0
+        n_vocab = int(lc.llama_vocab_n_tokens(model.vocab))
+        tokens = [first] + [(first + 1 + i) % max(1, n_vocab) for i in range(n - 1)]
+        batch = lc.llama_batch_init(max(n, 1), 0, 1)
+        try:
+            for start, count in ((0, n), (n, 1)):
+                if start + count > n_ctx:
+                    break
+                batch.n_tokens = count
+                for j in range(count):
+                    batch.token[j] = tokens[(start + j) % n]
+                    batch.pos[j] = start + j
+                    batch.n_seq_id[j] = 1
+                    batch.seq_id[j][0] = 0
+                    batch.logits[j] = j == count - 1
+                rc = lc.llama_decode(ctx, batch)
+                if rc != 0:
+                    raise RequestError(f"the warm-up decode failed (llama_decode returned {rc})", 500)
+        finally:
+            lc.llama_batch_free(batch)
+            mem = lc.llama_get_memory(ctx)
+            if mem:
+                lc.llama_memory_clear(mem, True)
 
     def info(self) -> dict[str, Any]:
         m = self.model
@@ -122,6 +236,9 @@ class Runner:
         return {
             "n_ctx": n_ctx, "n_ctx_train": m.n_ctx_train(), "n_vocab": m.n_vocab(),
             "n_embd": m.n_embd(), "n_gpu_layers": int(self.spec.get("num_gpu", 0)),
+            "extra_bufts": bool(self.spec.get("extra_bufts", True)),
+            "flash_attn": str(self.spec.get("flash_attn") or "auto"),
+            "kv_cache_type": str(self.spec.get("kv_cache_type") or "f16"),
             "num_parallel": max(1, int(self.spec.get("num_parallel") or 1)),
             "gpu_offload_supported": bool(self.lc.llama_supports_gpu_offload()), "log_lines": self.log_lines,
             "pid": os.getpid(),
@@ -154,6 +271,9 @@ class Runner:
     # -- embeddings ------------------------------------------------------------------------------------------------
     def embed(self, inputs: list[str], truncate: bool) -> dict[str, Any]:
         llm = self.llm
+        if not self._embedded:
+            self._embedded = True
+            _inject_fault("first-decode", self.spec)
         n_ctx = llm.n_ctx()
         counts = []
         for text in inputs:
@@ -237,6 +357,7 @@ def main() -> None:
     try:
         runner = Runner(chan)
         runner_ref.append(runner)
+        chan.send({"type": "stage", "stage": "load"})
         runner.load(first["spec"])
         chan.send({"type": "loaded", "info": runner.info()})
     except Exception as exc:  # noqa: BLE001

@@ -69,6 +69,8 @@ class ProcessRunner:
         self._loaded: asyncio.Future[dict[str, Any]] | None = None
         self._dead = False
         self._memory = MemoryUse(0, 0)
+        self._stage = "start"  # what the runner said it was doing last (load, warm-up, ready)
+        self._decoded = False  # a decode finished: a crash from now on is not the configuration's first-decode fault
 
     # -- Runner protocol -------------------------------------------------------------------------------------------
     @property
@@ -105,6 +107,12 @@ class ProcessRunner:
             raise LoadFailed(f"timed out loading {self.spec.model_path} after {LOAD_TIMEOUT:.0f}s") from None
         if msg.get("type") != "loaded":
             await self.close()
+            code = self._proc.returncode if self._proc else None
+            sig = -code if code is not None and code < 0 else None
+            if sig is not None:
+                stage = "warm-up" if self._stage == "warm-up" else "load"
+                raise LoadFailed(f"llama runner process has terminated: {_describe_exit(code)} during {stage}",
+                                 signal=sig, stage=stage)
             detail = msg.get("message") or "the runner exited"
             tail = "; ".join(line for line in list(self._stderr)[-3:] if line.strip())
             raise LoadFailed(f"llama runner process has terminated: {detail}" + (f" ({tail})" if tail else ""))
@@ -130,8 +138,10 @@ class ProcessRunner:
                     raise self._crashed()
                 kind = msg.get("type")
                 if kind == "token":
+                    self._decoded = True
                     yield Token(msg["text"], msg.get("logprobs"))
                 elif kind == "done":
+                    self._decoded = True
                     finished = True
                     yield Done(done_reason=msg["done_reason"], prompt_eval_count=msg["prompt_eval_count"],
                                prompt_eval_duration=msg["prompt_eval_duration"], eval_count=msg["eval_count"],
@@ -151,6 +161,7 @@ class ProcessRunner:
 
     async def embed(self, inputs: list[str], *, truncate: bool = True) -> Embedding:
         msg = await self._call({"op": "embed", "inputs": inputs, "truncate": truncate})
+        self._decoded = True
         return Embedding(vectors=msg["vectors"], prompt_eval_count=msg["prompt_eval_count"])
 
     async def slots(self) -> list[dict[str, Any]]:
@@ -224,13 +235,24 @@ class ProcessRunner:
         err.status = int(msg.get("status", 500))
         return err
 
+    @property
+    def exit_signal(self) -> int | None:
+        """The signal that ended the runner, if one did."""
+        code = self._proc.returncode if self._proc else None
+        return -code if code is not None and code < 0 else None
+
+    @property
+    def decoded(self) -> bool:
+        return self._decoded
+
     def _crashed(self) -> RunnerCrashed:
         code = self._proc.returncode if self._proc else None
         tail = "; ".join(line for line in list(self._stderr)[-2:] if line.strip())
         return RunnerCrashed(
             f"the model runner stopped unexpectedly ({_describe_exit(code)})"
-            + (f": {tail}" if tail and code not in (None, -9) else "")
-            + "; the model will be loaded again on the next request"
+            + (f": {tail}" if tail and code not in (None, -9) and code >= 0 else "")
+            + "; the model will be loaded again on the next request",
+            signal=self.exit_signal, early=not self._decoded,
         )
 
     async def _read_frames(self) -> None:
@@ -243,6 +265,9 @@ class ProcessRunner:
                 import json
 
                 msg = json.loads(await out.readexactly(n))
+                if msg.get("type") == "stage":
+                    self._stage = str(msg.get("stage"))
+                    continue
                 if msg.get("type") in ("loaded", "load_error"):
                     if self._loaded is not None and not self._loaded.done():
                         self._loaded.set_result(msg)
