@@ -14,6 +14,7 @@ from daemon.auth import APIKeyGate
 from daemon.observe import Metrics, Observe
 from daemon.catalog import Catalog
 from daemon.eviction import Budget
+from daemon.fallback import Fallbacks, machine_fingerprint
 from daemon.inference import Inference
 from daemon.routes import blobs, create, embed, generate, meta, models, ps
 from daemon.routes import registry as registry_routes
@@ -22,7 +23,7 @@ from daemon.routes import openai as openai_routes
 from daemon.runners.base import LoadSpec, MemoryUse, Runner
 from daemon.scheduler import ModelRef, Scheduler
 from daemon.security import DoorGuard
-from daemon.settings import Settings
+from daemon.settings import Settings, default_context_length
 from daemon.version import VERSION
 from registry.store import Store
 
@@ -54,7 +55,7 @@ def default_estimator(catalog: Catalog) -> Callable[[ModelRef, LoadSpec], Memory
     def run(ref: ModelRef, spec: LoadSpec) -> MemoryUse:
         info = read_gguf_file(spec.model_path)
         est = estimate(info, num_ctx=spec.num_ctx, num_parallel=spec.num_parallel, num_batch=spec.num_batch,
-                       n_gpu_layers=spec.num_gpu)
+                       n_gpu_layers=spec.num_gpu, kv_type=spec.kv_cache_type)
         return MemoryUse(ram=est.ram + spec.prompt_cache, vram=est.vram)
 
     return run
@@ -75,12 +76,16 @@ def create_app(
     catalog = Catalog(the_store)
     hw = detect()
     the_budgets = budgets(hw, settings.ram_budget, settings.vram_budget)
+    total_vram = sum(g.total_vram for g in hw.gpus) if hw.gpu_offload else 0  # the GPUs llama.cpp can use
+    default_num_ctx = default_context_length(total_vram, settings.context_length)
     scheduler = Scheduler(
         runner_factory=runner_factory or default_runner_factory,
         estimate=estimator or default_estimator(catalog),
         budget=lambda: Budget(ram=the_budgets.ram, vram=the_budgets.vram, max_loaded=settings.max_loaded_models),
         default_keep_alive=settings.keep_alive,
         max_queue=settings.max_queue,
+        fallbacks=Fallbacks(machine=machine_fingerprint(tuple(g.name for g in hw.gpus)),
+                            read=the_store.read_runner_state, write=the_store.write_runner_state),
     )
 
     @asynccontextmanager
@@ -88,6 +93,10 @@ def create_app(
         startup_prune(the_store, settings)
         for line in describe(hw, the_budgets):
             log.info("%s", line)
+        log.info("default context length total_vram=%d default_num_ctx=%d source=%s flash_attention=%s "
+                 "kv_cache_type=%s", total_vram, default_num_ctx,
+                 "CORRAL_CONTEXT_LENGTH" if settings.context_length else "automatic", settings.flash_attention,
+                 settings.kv_cache_type)
         scheduler.start()
         log.info("corral ready version=%s models=%s", VERSION, the_store.root)
         try:
@@ -104,10 +113,13 @@ def create_app(
     app.state.scheduler = scheduler
     app.state.hardware = hw
     app.state.budgets_json = {"ram": the_budgets.ram, "vram": the_budgets.vram,
-                              "max_loaded_models": settings.max_loaded_models}
+                              "max_loaded_models": settings.max_loaded_models,
+                              "ram_source": the_budgets.ram_source, "vram_source": the_budgets.vram_source,
+                              "gpus": list(the_budgets.gpu_budgets)}  # VRAM budget per GPU (GPU.index order)
     app.state.inference = Inference(catalog, scheduler, settings, vram_budget=the_budgets.vram,
                                     ram_budget=the_budgets.ram,
-                                    physical_cores=hw.physical_cores)
+                                    physical_cores=hw.physical_cores, default_num_ctx=default_num_ctx,
+                                    gpu_budgets=the_budgets.gpu_budgets)
     errors.install(app)
     for module in (meta, models, blobs, create, generate, embed, ps):
         app.include_router(module.router)

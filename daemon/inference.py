@@ -81,20 +81,26 @@ class ModelContext:
 
     @property
     def ref(self) -> ModelRef:
-        return ModelRef(key=str(self.name), name=self.name.short(), digest=self.stored.manifest.digest.hex,
+        # the key is the weights, not the name: names that resolve to the same model file and adapters (a copy, a
+        # Modelfile that only changes SYSTEM, TEMPLATE, PARAMETER or MESSAGE) share one runner, counted once
+        weights = "+".join([self.model_path.name, *(Path(a).name for a in self.adapters)])
+        return ModelRef(key=weights, name=self.name.short(), digest=self.stored.manifest.digest.hex,
                         details=self.details)
 
 
 class Inference:
     def __init__(self, catalog: Catalog, scheduler: Scheduler, settings: Settings, *, vram_budget: int = 0,
-                 physical_cores: int = 0, ram_budget: int = 0) -> None:
+                 physical_cores: int = 0, ram_budget: int = 0, default_num_ctx: int = 4096,
+                 gpu_budgets: tuple[int, ...] = ()) -> None:
         self.catalog = catalog
+        self.gpu_budgets = gpu_budgets  # VRAM budget per visible GPU, in llama.cpp's device order (hardware.Budgets)
         self.scheduler = scheduler
         self.settings = settings
         self.vram_budget = vram_budget
         self.ram_budget = ram_budget
         self.physical_cores = physical_cores
-        self._estimates: dict[tuple[str, int, int, int, int], Any] = {}
+        self.default_num_ctx = default_num_ctx  # CORRAL_CONTEXT_LENGTH, or automatic by VRAM (see create_app)
+        self._estimates: dict[tuple[str, int, int, int, int, str], Any] = {}
 
     # -- the model ---------------------------------------------------------------------------------------------
     def model(self, raw: str) -> ModelContext:
@@ -125,17 +131,23 @@ class Inference:
 
     # -- options -----------------------------------------------------------------------------------------------
     def options(self, ctx: ModelContext, request_options: Any) -> dict[str, Any]:
-        """Built-in defaults < the model's PARAMETERs < the request's options (checked; unknown keys ignored)."""
+        """Built-in defaults < the model's PARAMETERs < the request's options (checked; unknown keys ignored).
+        ``num_ctx`` set by neither comes from the daemon's default (``CORRAL_CONTEXT_LENGTH`` or by VRAM), not
+        from the built-in table, as in Ollama."""
         if request_options is None:
             request_options = {}
         if not isinstance(request_options, dict):
             raise InvalidRequest(f"options must be an object, got {type(request_options).__name__}")
         merged: dict[str, Any] = dict(DEFAULT_OPTIONS)
-        merged.update(validate_options(ctx.params, ignore_unknown=True))
+        model_opts = validate_options(ctx.params, ignore_unknown=True)
+        merged.update(model_opts)
         unknown = [k for k in request_options if k not in OPTION_TYPES and k not in DEPRECATED_OPTIONS]
         if unknown:
             log.warning("invalid option provided options=%s", ",".join(map(str, unknown)))
-        merged.update(validate_options(request_options, ignore_unknown=True))
+        request_opts = validate_options(request_options, ignore_unknown=True)
+        merged.update(request_opts)
+        if "num_ctx" not in model_opts and "num_ctx" not in request_opts:
+            merged["num_ctx"] = self.default_num_ctx
         self._check_ranges(merged)
         return merged
 
@@ -172,12 +184,19 @@ class Inference:
         if self.has_projector(ctx):
             num_ctx = max(num_ctx, 2048)
         num_batch = min(int(opts["num_batch"]), num_ctx) if embedding else int(opts["num_batch"])
-        num_parallel = 1 if embedding else self.parallel_for(ctx, num_ctx, num_batch)
+        kv_type = self.settings.kv_cache_type
+        # a quantized KV cache needs flash attention (llama.cpp refuses a quantized V cache without it), so "auto"
+        # means on there, and /api/ps says so
+        flash_attn = self.settings.flash_attention
+        if kv_type != "f16" and flash_attn == "auto":
+            flash_attn = "on"
+        num_parallel = 1 if embedding else self.parallel_for(ctx, num_ctx, num_batch, kv_type)
         num_gpu = int(opts["num_gpu"])
         if num_gpu < 0:
-            num_gpu = self.choose_gpu_layers(ctx, num_ctx, num_batch, num_parallel)
+            num_gpu = self.choose_gpu_layers(ctx, num_ctx, num_batch, num_parallel, kv_type)
         num_thread = int(opts["num_thread"]) or self.physical_cores
-        prompt_cache = 0 if embedding else self.prompt_cache_for(ctx, num_ctx, num_batch, num_parallel, num_gpu)
+        prompt_cache = (0 if embedding
+                        else self.prompt_cache_for(ctx, num_ctx, num_batch, num_parallel, num_gpu, kv_type))
         return LoadSpec(
             model_path=str(ctx.model_path),
             adapters=ctx.adapters,
@@ -189,34 +208,39 @@ class Inference:
             num_parallel=num_parallel,
             embedding=embedding,
             prompt_cache=prompt_cache,
+            main_gpu=(placement := self.gpu_split(ctx, opts, num_ctx, num_batch, num_parallel, num_gpu))[0],
+            tensor_split=placement[1],
+            flash_attn=flash_attn,
+            kv_cache_type=kv_type,
         )
 
-    def parallel_for(self, ctx: ModelContext, num_ctx: int, num_batch: int) -> int:
+    def parallel_for(self, ctx: ModelContext, num_ctx: int, num_batch: int, kv_type: str = "f16") -> int:
         """``CORRAL_NUM_PARALLEL`` when set; else the most sequence slots (at most 4) whose KV cache, at this
         num_ctx each, fits the memory budgets, counting what the GPU takes off the RAM."""
         if self.settings.num_parallel > 0:
             return self.settings.num_parallel
         for parallel in (4, 3, 2):
-            layers = self.choose_gpu_layers(ctx, num_ctx, num_batch, parallel)
-            est = self._estimate(ctx, num_ctx, num_batch, parallel, layers)
+            layers = self.choose_gpu_layers(ctx, num_ctx, num_batch, parallel, kv_type)
+            est = self._estimate(ctx, num_ctx, num_batch, parallel, layers, kv_type)
             if (self.ram_budget <= 0 or est.ram <= self.ram_budget) and est.vram <= max(self.vram_budget, 0):
                 return parallel
         return 1
 
     def prompt_cache_for(self, ctx: ModelContext, num_ctx: int, num_batch: int, num_parallel: int,
-                         num_gpu: int) -> int:
+                         num_gpu: int, kv_type: str = "f16") -> int:
         """Host RAM for the sequences a runner saves when it reuses a slot: as much as the slots' KV cache, when
         the model and that much more fit the RAM budget together (else none: the model itself comes first)."""
-        est = self._estimate(ctx, num_ctx, num_batch, num_parallel, num_gpu)
+        est = self._estimate(ctx, num_ctx, num_batch, num_parallel, num_gpu, kv_type)
         want = est.kv_per_layer * len(est.weights_per_layer)
         if self.ram_budget > 0 and est.ram + want > self.ram_budget:
             return 0
         return want
 
-    def _estimate(self, ctx: ModelContext, num_ctx: int, num_batch: int, num_parallel: int, num_gpu: int) -> Any:
+    def _estimate(self, ctx: ModelContext, num_ctx: int, num_batch: int, num_parallel: int, num_gpu: int,
+                  kv_type: str = "f16") -> Any:
         """``daemon.memory.estimate``, remembered per model file (blobs never change) and shape: ``load_spec`` runs
         on every request and would otherwise estimate the same model several times each time (~0.25 ms each)."""
-        key = (str(ctx.model_path), num_ctx, num_batch, num_parallel, num_gpu)
+        key = (str(ctx.model_path), num_ctx, num_batch, num_parallel, num_gpu, kv_type)
         est = self._estimates.get(key)
         if est is None:
             from daemon.memory import estimate
@@ -224,16 +248,50 @@ class Inference:
             if len(self._estimates) >= 256:
                 self._estimates.clear()
             est = self._estimates[key] = estimate(ctx.info, num_ctx=num_ctx, num_parallel=num_parallel,
-                                                  num_batch=num_batch, n_gpu_layers=num_gpu)
+                                                  num_batch=num_batch, n_gpu_layers=num_gpu, kv_type=kv_type)
         return est
 
-    def choose_gpu_layers(self, ctx: ModelContext, num_ctx: int, num_batch: int, num_parallel: int = 1) -> int:
+    def choose_gpu_layers(self, ctx: ModelContext, num_ctx: int, num_batch: int, num_parallel: int = 1,
+                          kv_type: str = "f16") -> int:
         if self.vram_budget <= 0:
             return 0
         from daemon.memory import choose_gpu_layers
 
         return choose_gpu_layers(ctx.info, num_ctx=num_ctx, num_parallel=num_parallel, num_batch=num_batch,
-                                 vram_budget=self.vram_budget)
+                                 vram_budget=self.vram_budget, kv_type=kv_type)
+
+    def gpu_split(self, ctx: ModelContext, opts: dict[str, Any], num_ctx: int, num_batch: int, num_parallel: int,
+                  num_gpu: int) -> tuple[int, tuple[float, ...]]:
+        """``main_gpu`` and ``tensor_split`` for this load over the visible GPUs (see ``gpu_placement``), from the
+        VRAM the offloaded layers need."""
+        if num_gpu == 0 or len(self.gpu_budgets) <= 1:
+            return self.gpu_placement(self.gpu_budgets, 0, opts.get("main_gpu"))  # nothing to split
+        est = self._estimate(ctx, num_ctx, num_batch, num_parallel, num_gpu, self.settings.kv_cache_type)
+        return self.gpu_placement(self.gpu_budgets, int(est.vram), opts.get("main_gpu"))
+
+    @staticmethod
+    def gpu_placement(gpu_budgets: tuple[int, ...], vram_needed: int,
+                      main_gpu: Any = None) -> tuple[int, tuple[float, ...]]:
+        """Where a model's offloaded layers go. ``main_gpu`` (the option; GPU 0 when unset) is the GPU that holds
+        the model alone when its layers fit that GPU's budget (no traffic between GPUs, as Ollama places models);
+        a model too big for it is split over every GPU with a budget, in proportion to each one's free memory
+        less its reserve (``tensor_split``), with ``main_gpu`` still the GPU for the small tensors. One GPU or
+        none: llama.cpp's defaults (no split). A ``main_gpu`` beyond the visible GPUs falls back to GPU 0 with a
+        warning, so a Modelfile written on a bigger machine still runs."""
+        main = 0 if main_gpu is None else int(main_gpu)
+        if main < 0:
+            raise InvalidRequest(f'option "main_gpu" must not be negative, got {main}')
+        count = len(gpu_budgets)
+        if count and main >= count:
+            log.warning("main_gpu=%d but %d GPU(s) are visible; using GPU 0", main, count)
+            main = 0
+        if count <= 1 or vram_needed <= 0:
+            return (main if count else 0), ()
+        usable = [max(0, int(b)) for b in gpu_budgets]
+        total = sum(usable)
+        if vram_needed <= usable[main] or total <= 0:
+            return main, tuple(1.0 if i == main else 0.0 for i in range(count))
+        return main, tuple(round(b / total, 6) for b in usable)
 
     @staticmethod
     def sample_params(opts: dict[str, Any], fmt: Any = None) -> SampleParams:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from registry.gguf import GGUFInfo
 
+# bytes per K or V value; llama.cpp's quantized blocks hold 32 values: q8_0 32 int8 + an f16 scale (34 bytes),
+# q4_0 16 bytes of nibbles + an f16 scale (18 bytes)
 KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
@@ -86,7 +88,7 @@ def estimate(info: GGUFInfo, *, num_ctx: int, num_parallel: int = 1, num_batch: 
 
 
 def choose_gpu_layers(info: GGUFInfo, *, num_ctx: int, num_parallel: int = 1, num_batch: int = 512,
-                      vram_budget: int, requested: int | None = None) -> int:
+                      vram_budget: int, requested: int | None = None, kv_type: str = "f16") -> int:
     """The most layers that fit ``vram_budget`` (``requested``, the num_gpu option, overrides when >= 0)."""
     n_layer = info.block_count or 1
     if requested is not None and requested >= 0:
@@ -94,7 +96,8 @@ def choose_gpu_layers(info: GGUFInfo, *, num_ctx: int, num_parallel: int = 1, nu
     if vram_budget <= 0:
         return 0
     for layers in range(n_layer, -1, -1):
-        est = estimate(info, num_ctx=num_ctx, num_parallel=num_parallel, num_batch=num_batch, n_gpu_layers=layers)
+        est = estimate(info, num_ctx=num_ctx, num_parallel=num_parallel, num_batch=num_batch, n_gpu_layers=layers,
+                       kv_type=kv_type)
         if est.vram <= vram_budget:
             return layers
     return 0

@@ -40,7 +40,17 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
                              "<user config dir>/corral/auth.json, then ~/.docker/config.json"),
     "CORRAL_RAM_BUDGET": ("bytes of RAM loaded models may use, e.g. 8GiB", "free RAM less a reserve"),
     "CORRAL_VRAM_BUDGET": ("bytes of VRAM loaded models may use, e.g. 20GiB", "free VRAM less a reserve"),
+    "CORRAL_CONTEXT_LENGTH": ("default num_ctx when neither the request nor the Modelfile sets one; 0 = automatic "
+                              "(4096, 32768 with 23 GiB of VRAM, 262144 with 47 GiB)", "0"),
+    "CORRAL_FLASH_ATTENTION": ("flash attention: true or false; unset = llama.cpp decides (on with a quantized "
+                               "KV cache)", "auto"),
+    "CORRAL_KV_CACHE_TYPE": ("KV cache type: f16, q8_0 (about half the memory) or q4_0 (about a quarter); "
+                             "quantized types need flash attention", "f16"),
 }
+
+KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
+MAX_CONTEXT_LENGTH = 1 << 24  # as the num_ctx option's range
+GiB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -172,6 +182,64 @@ def _bool(value: str) -> bool:
     return value.strip().lower() in ("1", "t", "true", "yes", "on")
 
 
+def _unquote(raw: str) -> str:
+    """Trimmed of spaces and of surrounding quotes, as Ollama reads its variables."""
+    return raw.strip().strip("\"'").strip()
+
+
+def parse_context_length(raw: str) -> int:
+    """``CORRAL_CONTEXT_LENGTH``: a number of tokens; empty or 0 = automatic (see :func:`default_context_length`)."""
+    s = _unquote(raw)
+    if not s:
+        return 0
+    try:
+        value = int(s)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_CONTEXT_LENGTH:
+        raise SettingsError(f'CORRAL_CONTEXT_LENGTH="{raw}" is not valid; use a number of tokens from 1 to '
+                            f"{MAX_CONTEXT_LENGTH} (e.g. 8192), or 0 for automatic")
+    return value
+
+
+def parse_flash_attention(raw: str) -> str:
+    """``CORRAL_FLASH_ATTENTION`` -> "auto" (unset), "on" or "off". Ollama reads it as a Go boolean (where anything
+    unparseable silently means true); here a typo is an error, since it changes how every model runs."""
+    s = _unquote(raw).lower()
+    if not s or s == "auto":
+        return "auto"
+    if s in ("1", "t", "true", "on", "yes"):
+        return "on"
+    if s in ("0", "f", "false", "off", "no"):
+        return "off"
+    raise SettingsError(f'CORRAL_FLASH_ATTENTION="{raw}" is not valid; use true (1) or false (0), '
+                        "or leave it unset to let llama.cpp decide")
+
+
+def parse_kv_cache_type(raw: str) -> str:
+    """``CORRAL_KV_CACHE_TYPE``: f16 (the default), q8_0 or q4_0 for both K and V."""
+    s = _unquote(raw).lower()
+    if not s:
+        return "f16"
+    if s not in KV_CACHE_TYPES:
+        raise SettingsError(f'CORRAL_KV_CACHE_TYPE="{raw}" is not valid; use one of {", ".join(KV_CACHE_TYPES)}')
+    return s
+
+
+def default_context_length(total_vram: int, configured: int = 0) -> int:
+    """The num_ctx a model gets when neither the request nor its Modelfile sets one: ``CORRAL_CONTEXT_LENGTH``
+    when set, else by the usable GPUs' total VRAM as newest Ollama (a big GPU holds a long context for little
+    cost, a CPU or small GPU would spend its memory and prompt time on it). Always clamped to the model's trained
+    context when loaded."""
+    if configured > 0:
+        return configured
+    if total_vram >= 47 * GiB:
+        return 262144
+    if total_vram >= 23 * GiB:
+        return 32768
+    return 4096
+
+
 def _int(environ: Mapping[str, str], key: str, default: int) -> int:
     raw = environ.get(key, "").strip()
     if not raw:
@@ -220,6 +288,9 @@ class Settings:
     ram_budget: int | None = None
     vram_budget: int | None = None
     registry_auth: str = ""
+    context_length: int = 0  # 0 = automatic by VRAM (default_context_length)
+    flash_attention: str = "auto"  # "auto", "on" or "off"
+    kv_cache_type: str = "f16"  # f16, q8_0 or q4_0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -233,6 +304,13 @@ class Settings:
         if debug_raw:
             debug = int(debug_raw) if debug_raw.isdigit() else (1 if _bool(debug_raw) else 0)
         ram, vram = get("CORRAL_RAM_BUDGET"), get("CORRAL_VRAM_BUDGET")
+        flash = parse_flash_attention(environ.get("CORRAL_FLASH_ATTENTION", ""))
+        kv_type = parse_kv_cache_type(environ.get("CORRAL_KV_CACHE_TYPE", ""))
+        if kv_type != "f16" and flash == "off":
+            # llama.cpp cannot hold a quantized V cache without flash attention: refuse now, not at every load
+            raise SettingsError(f"CORRAL_KV_CACHE_TYPE={kv_type} needs flash attention, but "
+                                f"CORRAL_FLASH_ATTENTION={get('CORRAL_FLASH_ATTENTION')} turns it off; unset "
+                                "CORRAL_FLASH_ATTENTION or use CORRAL_KV_CACHE_TYPE=f16")
         return cls(
             host=parse_host(get("CORRAL_HOST")),
             models=Path(models).expanduser() if models else default_models_dir(),
@@ -248,6 +326,9 @@ class Settings:
             ram_budget=parse_bytes(ram, "CORRAL_RAM_BUDGET") if ram else None,
             vram_budget=parse_bytes(vram, "CORRAL_VRAM_BUDGET") if vram else None,
             registry_auth=get("CORRAL_REGISTRY_AUTH"),
+            context_length=parse_context_length(environ.get("CORRAL_CONTEXT_LENGTH", "")),
+            flash_attention=flash,
+            kv_cache_type=kv_type,
         )
 
 

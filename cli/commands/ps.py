@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -35,6 +36,14 @@ def until(expires_at: str, now: datetime | None = None) -> str:
     return output.format_ago(when, now)
 
 
+def context(m: dict[str, Any]) -> str:
+    """The CONTEXT column: tokens per slot, then the KV cache type when the daemon reports it ("8192 q8_0"), since
+    a quantized cache changes both the memory and the output."""
+    text = str(m.get("context_length") or "")
+    kv = m.get("kv_cache_type")
+    return f"{text} {kv}" if text and kv else text
+
+
 def rows(models: list[dict[str, Any]], prefix: str | None = None, now: datetime | None = None) -> list[tuple[str, ...]]:
     out = []
     for m in models:
@@ -44,7 +53,7 @@ def rows(models: list[dict[str, Any]], prefix: str | None = None, now: datetime 
         size, vram = int(m.get("size") or 0), int(m.get("size_vram") or 0)
         digest = str(m.get("digest") or "").removeprefix("sha256:")
         out.append((name, digest[:12], output.format_size(size), processor(size, vram),
-                    str(m.get("context_length") or ""), until(str(m.get("expires_at") or ""), now)))
+                    context(m), until(str(m.get("expires_at") or ""), now)))
     return out
 
 
@@ -56,6 +65,23 @@ def ps(
         models = client.request("GET", "/api/ps").json().get("models") or []
     for line in output.table([HEADER, *rows(models, prefix)]):
         output.out(line)
+    for line in notes(models, prefix):
+        output.out(line)
+
+
+def notes(models: list[dict[str, Any]], prefix: str | None = None) -> list[str]:
+    """Below the table: the names sharing a runner, and a safer configuration corral chose after a crash."""
+    out = []
+    for m in models:
+        name = str(m.get("name") or m.get("model") or "")
+        if prefix and not name.lower().startswith(prefix.lower()):
+            continue
+        others = [n for n in m.get("names") or [] if n != name]
+        if others:
+            out.append(f"{name} also serves {', '.join(others)} (the same weights, one runner)")
+        if m.get("fallback"):
+            out.append(f"{name} runs with {m['fallback']}")
+    return [""] + out if out else []
 
 
 def stop(model: Annotated[str, typer.Argument(metavar="MODEL", help="Model to unload.")]) -> None:
@@ -78,21 +104,81 @@ def info(as_json: Annotated[bool, typer.Option("--json", help="Print the daemon'
         output.out(line)
 
 
+def gib(n: Any) -> str:
+    return f"{int(n or 0) / (1 << 30):.1f} GiB"
+
+
+SETTING_ENV = {"ram_budget": "CORRAL_RAM_BUDGET", "vram_budget": "CORRAL_VRAM_BUDGET",
+               "num_parallel": "CORRAL_NUM_PARALLEL", "keep_alive": "CORRAL_KEEP_ALIVE",
+               "context_length": "CORRAL_CONTEXT_LENGTH", "flash_attention": "CORRAL_FLASH_ATTENTION",
+               "kv_cache_type": "CORRAL_KV_CACHE_TYPE"}
+
+
+def setting_rows(settings: dict[str, Any]) -> list[list[str]]:
+    """The CORRAL_* settings that shape loading, as the daemon reads them (an unset budget or 0 is automatic)."""
+    rows = []
+    for name, value in settings.items():
+        if name in ("max_loaded_models", "default_num_ctx"):
+            continue  # a row of its own / shown with context_length
+        env = SETTING_ENV.get(name, "CORRAL_" + name.upper())
+        if name in ("ram_budget", "vram_budget"):
+            text = output.format_size(int(value)) if value is not None else "unset (free memory less a reserve)"
+        elif name == "num_parallel":
+            text = str(value) if value else "0 (automatic)"
+        elif name == "keep_alive":
+            text = "forever" if value == -1 else f"{value:g}s" if isinstance(value, (int, float)) else str(value)
+        elif name == "context_length" and not value:
+            chosen = settings.get("default_num_ctx")
+            text = f"0 (automatic: {chosen})" if chosen else "0 (automatic)"
+        else:
+            text = str(value)
+        rows.append([env, text])
+    return rows
+
+
 def info_lines(data: dict[str, Any]) -> list[str]:
+    """``corral info``: the CPU and its instruction sets, RAM, llama.cpp's backends and devices, the GPUs it can
+    offload to, the budgets, and the settings in force."""
     hw, budgets = data.get("hardware") or {}, data.get("budgets") or {}
     rows: list[list[str]] = [
         ["CPU", f"{hw.get('physical_cores', '?')} physical cores, {hw.get('logical_cores', '?')} logical"],
+        ["CPU features", " ".join(hw.get("cpu_features") or []) or "unknown (llama.cpp was not asked)"],
         ["RAM", f"{output.format_size(int(hw.get('total_ram') or 0))} total, "
                 f"{output.format_size(int(hw.get('available_ram') or 0))} available"],
     ]
+    source = f" (llama.cpp probe {hw['probe']})" if hw.get("probe") else ""
+    rows.append(["Backends", (", ".join(hw.get("backends") or []) or "none") + source])
+    for d in hw.get("devices") or []:
+        desc = f"{d.get('description')}, " if d.get("description") and d.get("description") != d.get("name") else ""
+        rows.append([f"Device {d.get('index')}", f"{d.get('name')} ({d.get('type')}, {d.get('backend')}): {desc}"
+                     f"{gib(d.get('memory_total'))} total, {gib(d.get('memory_free'))} free"])
     for g in hw.get("gpus") or []:
-        rows.append([f"GPU {g.get('index')}", f"{g.get('name')} (compute {g.get('compute_capability') or '?'}), "
-                     f"{output.format_size(int(g.get('total_vram') or 0))} total, "
-                     f"{output.format_size(int(g.get('free_vram') or 0))} free, driver {g.get('driver')}"])
+        extra = [str(g.get("backend") or "")]
+        if g.get("compute_capability"):
+            extra.append(f"compute {g['compute_capability']}")
+        if g.get("driver"):
+            extra.append(f"driver {g['driver']}")
+        rows.append([f"GPU {g.get('index')}", f"{g.get('name')} ({', '.join(e for e in extra if e)}), "
+                     f"{gib(g.get('total_vram'))} total, {gib(g.get('free_vram'))} free"])
     offload = "yes" if hw.get("gpu_offload") else f"no ({hw.get('gpu_reason') or 'no GPU'})"
     rows.append(["GPU offload", offload])
-    rows.append(["RAM budget", output.format_size(int(budgets.get("ram") or 0))])
-    rows.append(["VRAM budget", output.format_size(int(budgets.get("vram") or 0))])
+    visible = hw.get("visible_devices") or {}
+    if visible:
+        rows.append(["Visible devices", " ".join(f'{k}="{v}"' for k, v in visible.items())])
+    rows.append(["RAM budget", output.format_size(int(budgets.get("ram") or 0))
+                 + (f" ({budgets['ram_source']})" if budgets.get("ram_source") else "")])
+    per_gpu = budgets.get("gpus") or []
+    rows.append(["VRAM budget", output.format_size(int(budgets.get("vram") or 0))
+                 + (f" ({budgets['vram_source']})" if budgets.get("vram_source") else "")
+                 + (f"; per GPU: {', '.join(output.format_size(int(x)) for x in per_gpu)}" if len(per_gpu) > 1
+                    else "")])
     max_loaded = budgets.get("max_loaded_models")
     rows.append(["Max loaded models", str(max_loaded) if max_loaded else "no limit (memory decides)"])
+    rows.extend(setting_rows(data.get("settings") or {}))
+    for f in data.get("runner_fallbacks") or []:  # safer configurations remembered after runner crashes
+        what = [f"extra buffer types {'on' if f.get('extra_buffer_types', True) else 'off'}"]
+        if f.get("max_gpu_layers") is not None:
+            what.append(f"at most {f['max_gpu_layers']} GPU layers")
+        why = f" ({f['reason']})" if f.get("reason") else ""
+        rows.append(["Runner fallback", f"{Path(str(f.get('model_file') or '?')).name}: {', '.join(what)}{why}"])
     return output.table(rows)

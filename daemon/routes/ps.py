@@ -46,7 +46,10 @@ async def ps(request: Request) -> dict[str, Any]:
             "expires_at": _rfc3339_wall(item["expires_at_wall"]),
             "size_vram": e.memory.vram,
             "context_length": e.spec.num_ctx,
+            "kv_cache_type": e.spec.kv_cache_type, "flash_attention": e.spec.flash_attn,  # corral: as loaded
             "num_parallel": e.spec.num_parallel,  # corral: sequence slots batched together in this runner
+            "names": sorted(e.names, key=lambda n: -e.names[n]),  # corral: every name this runner serves
+            **({"fallback": e.fallback} if e.fallback else {}),  # corral: the safer configuration in force, and why
             **({"slots": slots} if slots is not None else {}),  # corral: busy, and cached tokens for reuse
         })
     return {"models": models}
@@ -54,5 +57,22 @@ async def ps(request: Request) -> dict[str, Any]:
 
 @router.get("/api/info")
 def info(request: Request) -> dict[str, Any]:
+    """The hardware (llama.cpp's backends and devices, the CPU's instruction sets, the GPUs it can offload to),
+    the budgets, and the CORRAL_* settings in force that shape loading."""
     state = request.app.state
-    return {"hardware": state.hardware.to_json(), "budgets": state.budgets_json}
+    fallbacks = state.scheduler.fallbacks
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, float) and value in (float("inf"), float("-inf")):
+            return -1  # keep_alive "forever", as Ollama's negative durations
+        return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
+
+    # getattr: fields Settings may or may not have in this version
+    names = ("ram_budget", "vram_budget", "num_parallel", "max_loaded_models", "keep_alive", "context_length",
+             "flash_attention", "kv_cache_type")
+    in_force = {n: plain(getattr(state.settings, n)) for n in names if hasattr(state.settings, n)}
+    if getattr(state.inference, "default_num_ctx", None) is not None:
+        in_force["default_num_ctx"] = state.inference.default_num_ctx  # what context_length 0 (automatic) chose
+    return {"hardware": state.hardware.to_json(), "budgets": state.budgets_json, "settings": in_force,
+            # corral: the safer runner configurations chosen after native crashes on this machine (daemon/fallback.py)
+            "runner_fallbacks": fallbacks.remembered() if fallbacks is not None else []}

@@ -59,18 +59,12 @@ def test_parse_llama_log() -> None:
     assert abs(out["ram"] - int((92.10 + 45 + 99.38) * (1 << 20))) < 10
 
 
-MEASURE = """
-import sys
-from llama_cpp import Llama
-Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_batch=512, n_gpu_layers=0, verbose=True)
-"""
-
-
 def llama_reported(path: Path, n_ctx: int) -> int:
-    r = subprocess.run([sys.executable, "-c", MEASURE, str(path), str(n_ctx)], capture_output=True, text=True,
-                       timeout=120, env={**os.environ})
-    sizes = parse_llama_log(r.stderr.splitlines())
-    assert sizes["ram"] > 0, r.stderr[-2000:]
+    from tests.reference import run_llama
+
+    _, stderr = run_llama(dict(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_gpu_layers=0, verbose=True))
+    sizes = parse_llama_log(stderr.splitlines())
+    assert sizes["ram"] > 0, stderr[-2000:]
     return sizes["ram"] + sizes["vram"]
 
 
