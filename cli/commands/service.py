@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grp
 import os
 import platform
 import shutil
@@ -60,7 +61,63 @@ def _kind() -> str:
                        "run \"corral serve\" under your own supervisor instead")
 
 
-def install_plan(scope: str, exe: str, home: Path) -> Plan:
+def _env_file_value(path: Path, key: str) -> str:
+    """``key``'s value in a systemd EnvironmentFile (the last assignment wins, as in systemd); "" if none."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return ""
+    value = ""
+    for line in text.splitlines():
+        name, sep, raw = line.strip().partition("=")
+        if sep and name.strip() == key:
+            value = raw.strip().strip("\"'").strip()
+    return value
+
+
+def _env_path(scope: str, home: Path) -> Path:
+    return Path(units.SYSTEM_ENV_FILE) if scope == "system" else home / ".config" / "corral" / "corral.env"
+
+
+def _memory_max(scope: str, home: Path, environ: dict[str, str]) -> int | None:
+    """MemoryMax= for the unit: CORRAL_RAM_BUDGET (from this environment, else the service's env file) plus
+    headroom for the daemon and the runners' own memory; None (no limit) without a budget."""
+    from daemon.settings import parse_bytes
+
+    raw = environ.get("CORRAL_RAM_BUDGET", "").strip() or _env_file_value(_env_path(scope, home), "CORRAL_RAM_BUDGET")
+    return parse_bytes(raw, "CORRAL_RAM_BUDGET") + units.MEMORY_HEADROOM if raw else None
+
+
+def _api_key_file(explicit: str | None, environ: dict[str, str]) -> str | None:
+    """The key file the system unit hands over with LoadCredential=: --api-key-file, else CORRAL_API_KEY_FILE of
+    this environment, else /etc/corral/api_key if it exists. Checked now because systemd refuses to start a unit
+    whose credential source is missing. (Not CORRAL_API_KEY_FILE from corral.env: set there, it would override
+    the credential's path at run time anyway.)"""
+    chosen = explicit or environ.get("CORRAL_API_KEY_FILE", "").strip()
+    if not chosen:
+        return units.SYSTEM_API_KEY_FILE if Path(units.SYSTEM_API_KEY_FILE).is_file() else None
+    path = Path(chosen).expanduser().absolute()
+    if not path.is_file():
+        raise ServiceError(f"the API key file \"{path}\" does not exist; create it (the key on its first line, "
+                           "mode 0600, owned by root) or leave it out")
+    return str(path)
+
+
+def _gpu_groups() -> list[str]:
+    """The groups that own GPU device nodes here (render: /dev/kfd, /dev/dri/renderD*; video: /dev/dri/card*)."""
+    found = []
+    for name in ("render", "video"):
+        try:
+            grp.getgrnam(name)
+        except KeyError:
+            continue
+        found.append(name)
+    return found
+
+
+def install_plan(scope: str, exe: str, home: Path, *, environ: dict[str, str] | None = None,
+                 api_key_file: str | None = None) -> Plan:
+    environ = dict(os.environ if environ is None else environ)
     plan = Plan()
     if _kind() == "launchd":
         plist = home / "Library" / "LaunchAgents" / f"{units.LAUNCHD_LABEL}.plist"
@@ -70,18 +127,26 @@ def install_plan(scope: str, exe: str, home: Path) -> Plan:
         return plan
     if scope == "system":
         unit = Path("/etc/systemd/system/corral.service")
-        plan.files += [(unit, units.system_unit(exe).encode(), 0o644),
+        text = units.system_unit(exe, memory_max=_memory_max(scope, home, environ),
+                                 api_key_file=_api_key_file(api_key_file, environ))
+        plan.files += [(unit, text.encode(), 0o644),
                        (Path(units.SYSTEM_ENV_FILE), units.env_file().encode(), 0o640)]
+        plan.commands.append(["useradd", "--system", "--user-group", "--home-dir", "/var/lib/corral", "--shell",
+                              "/usr/sbin/nologin", "corral"])
+        if groups := _gpu_groups():  # the GPU nodes' file permissions; DevicePolicy= admits only the GPU nodes
+            plan.commands.append(["usermod", "--append", "--groups", ",".join(groups), "corral"])
         plan.commands += [
-            ["useradd", "--system", "--user-group", "--home-dir", "/var/lib/corral", "--shell", "/usr/sbin/nologin",
-             "corral"],
-            ["install", "-d", "-o", "corral", "-g", "corral", "-m", "0750", units.SYSTEM_MODELS],
+            ["install", "-d", "-o", "corral", "-g", "corral", "-m", "0700", units.SYSTEM_MODELS],
             ["systemctl", "daemon-reload"],
             ["systemctl", "enable", "--now", "corral.service"],
         ]
     else:
         unit = home / ".config" / "systemd" / "user" / "corral.service"
-        plan.files += [(unit, units.user_unit(exe).encode(), 0o644),
+        if api_key_file:
+            raise ServiceError("--api-key-file is for --system; a user service reads CORRAL_API_KEY_FILE from "
+                               "~/.config/corral/corral.env")
+        text = units.user_unit(exe, memory_max=_memory_max(scope, home, environ))
+        plan.files += [(unit, text.encode(), 0o644),
                        (home / ".config" / "corral" / "corral.env", units.env_file().encode(), 0o600)]
         plan.commands += [["systemctl", "--user", "daemon-reload"],
                           ["systemctl", "--user", "enable", "--now", "corral.service"]]
@@ -147,6 +212,9 @@ def execute(plan: Plan, scope: str) -> None:
 Scope = Annotated[bool, typer.Option("--system", help="Install for the whole machine (root; Linux).")]
 User = Annotated[bool, typer.Option("--user", help="Install for this user only (the default).")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the files and commands; change nothing.")]
+KeyFile = Annotated[str | None, typer.Option(
+    "--api-key-file", help="Hand this key file to the system service as a systemd credential (default: "
+    f"CORRAL_API_KEY_FILE, else {units.SYSTEM_API_KEY_FILE} if it exists).")]
 
 
 def _scope(system: bool, user: bool) -> str:
@@ -156,10 +224,13 @@ def _scope(system: bool, user: bool) -> str:
 
 
 @app.command("install")
-def install(user: User = False, system: Scope = False, dry_run: DryRun = False) -> None:
-    """Write the service definition for this platform, then enable and start it."""
+def install(user: User = False, system: Scope = False, dry_run: DryRun = False, api_key_file: KeyFile = None) -> None:
+    """Write the service definition for this platform, then enable and start it.
+
+    The systemd unit's MemoryMax= is CORRAL_RAM_BUDGET (from this environment or the service's env file) plus
+    2 GiB; install again after changing the budget."""
     scope = _scope(system, user)
-    plan = install_plan(scope, corral_executable(), Path.home())
+    plan = install_plan(scope, corral_executable(), Path.home(), api_key_file=api_key_file)
     if dry_run:
         typer.echo(plan.show())
         return
