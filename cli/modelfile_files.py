@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
+import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,11 @@ CHUNK = 1024 * 1024
 DEFAULT_MODELFILE = "Modelfile"
 IMPLICIT_MODELFILE = b"FROM .\n"
 GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)  # what the daemon reads (registry/gguf.py)
+TAKES = {
+    "FROM": "FROM takes a .gguf file, a directory of them, or a model name",
+    "ADAPTER": "ADAPTER takes a .gguf file or a directory of them",
+}
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,7 @@ def model_files(path: Path, what: str = "FROM") -> list[Path]:
     if path.is_file():
         return [path]
     if not path.is_dir():
+        check_model_file(path, what)  # a FIFO, a device or a socket: says which
         raise LocalFileError(f'{what} "{path}" is neither a file nor a directory')
     found = sorted(p for p in path.glob("*.gguf") if p.is_file())
     if not found:
@@ -91,6 +99,55 @@ def model_files(path: Path, what: str = "FROM") -> list[Path]:
             hint = "; corral imports GGUF only: convert the weights with llama.cpp's convert_hf_to_gguf.py"
         raise LocalFileError(f'no GGUF files found in "{path}"{hint}')
     return found
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
+def check_model_file(path: Path, what: str = "FROM") -> None:
+    """Refuse, before anything is hashed or uploaded, a FROM/ADAPTER file that is not a GGUF model file.
+
+    It must be a regular file (symbolic links are followed, as a Hugging Face cache needs; a FIFO, a device such as
+    ``/dev/random`` or a socket is refused without reading from it) that starts with the GGUF magic and a version
+    corral reads. The daemon checks the whole header again when the model is created.
+    """
+    takes = TAKES.get(what, TAKES["FROM"])
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise LocalFileError(f'cannot read "{path}": {exc.strerror or exc}') from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise LocalFileError(f"{path} is not a regular file (it is {_kind(st.st_mode)}); {takes}")
+    try:
+        # O_NONBLOCK: should the path be swapped for a FIFO after the stat, opening it does not hang
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    except OSError as exc:
+        raise LocalFileError(f'cannot read "{path}": {exc.strerror or exc}') from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise LocalFileError(f"{path} is not a regular file (it is {_kind(st.st_mode)}); {takes}")
+        head = os.pread(fd, 8, 0)
+    except OSError as exc:
+        raise LocalFileError(f'cannot read "{path}": {exc.strerror or exc}') from exc
+    finally:
+        os.close(fd)
+    if head[:4] != GGUF_MAGIC:
+        raise LocalFileError(f"{path} is not a GGUF model file (it does not start with the GGUF magic); {takes}")
+    if len(head) < 8:
+        raise LocalFileError(f"{path} is not a GGUF model file (it ends before the GGUF version); {takes}")
+    version = struct.unpack("<I", head[4:8])[0]
+    if version not in GGUF_VERSIONS:
+        if struct.unpack(">I", head[4:8])[0] in GGUF_VERSIONS:
+            detail = "a big-endian GGUF; corral reads little-endian files only"
+        else:
+            detail = f"GGUF version {version}; corral reads versions 2 and 3"
+        raise LocalFileError(f"{path} is not a GGUF model file ({detail}); {takes}")
 
 
 def adapter_files(value: str, base_dir: Path) -> list[Path]:

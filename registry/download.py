@@ -12,7 +12,10 @@ the file move into ``blobs/``; otherwise it is deleted and the pull fails with "
 fsyncs the blob once it has answered (see ``registry/pull.py``). A part that fails is retried
 with exponential backoff; one that receives nothing for ``read_timeout`` seconds ("stalled"), or crawls at a tenth
 of the median rate of the others (the "stuck at 99%" tail), is restarted from where it got to without counting
-as a retry.
+as a retry. A server that answers a range with the whole blob (200) makes the download start again from byte 0
+as one part, with a fresh hasher (again if that whole-blob answer is cut off, up to ``max_retries`` times). An
+answer whose body is not what its headers promised ends the download with a ``RegistryProtocolError``; the bytes
+it brought are not counted in the saved progress, so the next pull fetches them again.
 
 :class:`Downloads` is the daemon's table of downloads in flight: two pulls that need the same blob share one
 :class:`Download`, and when every pull waiting on a download has gone, it is cancelled (its progress kept).
@@ -37,6 +40,7 @@ from registry.digest import Digest
 from registry.errors import (
     BlobDigestMismatch,
     CorralError,
+    RegistryProtocolError,
     RegistryUnreachable,
     StoreError,
 )
@@ -188,19 +192,40 @@ class Download:
     def _download(self) -> None:
         self._prepare()
         try:
-            try:
-                self._fetch_all()
-            except _Restart:
-                log.warning("registry ignores Range requests; downloading blob %s in one stream", self.digest.short)
-                with self.cond:
-                    self.parts = [Part(0, self.total)] if self.total else []
-                    self.completed = self.resumed = 0
-                    self._next = 0
-                self._stop.clear()
-                self._failure = None
-                self._fetch_all(streams=1)
+            streams: int | None = None
+            restarts = 0
+            while True:
+                try:
+                    self._fetch_all(streams)
+                    return
+                except _Restart:
+                    if self.cancelled.is_set():
+                        raise Cancelled() from None
+                    restarts += 1
+                    if restarts > self.tuning.max_retries:
+                        raise RegistryUnreachable(
+                            f"downloading blob {self.digest.short} failed: the registry ignores Range requests and "
+                            f"its answers with the whole blob were cut off {restarts - 1} times"
+                        ) from None
+                    self._restart_whole()
+                    streams = 1
         finally:
             os.close(self._fd)
+
+    def _restart_whole(self) -> None:
+        """The server answered a range with the whole blob: start again from byte 0, as one part.
+
+        What the file holds is discarded (its bytes are overwritten from the start and hashed by a new hasher), and
+        the state saying so is written before the first new byte, so a pull stopped now starts from 0 too."""
+        log.warning("registry ignores Range requests; downloading blob %s again from byte 0 in one stream",
+                    self.digest.short)
+        with self.cond:
+            self.parts = [Part(0, self.total)] if self.total else []
+            self.completed = self.resumed = 0
+            self._next = 0
+        self._stop.clear()
+        self._failure = None
+        self._save(force=True)
 
     def _prepare(self) -> None:
         """Resume from the saved state if it is sound, else start afresh with a pre-sized sparse file."""
@@ -361,11 +386,18 @@ class Download:
                 self._resolved.set()
                 with self.cond:
                     self._readers.add(reader)
+                before = part.completed
                 try:
                     while reader.remaining and not self._stop.is_set():
                         n = reader.transfer(self._fd, part.offset + part.completed, view)
                         progressed = True
                         self._advance(part, n)
+                    reader.finish()
+                except RegistryProtocolError:
+                    # the answer was not what its headers said: none of its bytes count (the next pull fetches
+                    # them again), so the saved progress holds only bytes from answers that were well-formed
+                    self._rewind(part, before)
+                    raise
                 finally:
                     with self.cond:
                         self._readers.discard(reader)
@@ -402,6 +434,12 @@ class Download:
                                      f"{self.store.blobs_dir}") from exc
                 raise StoreError(f"cannot write {self.store.partial_path(self.digest)}: "
                                  f"{exc.error.strerror or exc.error}") from exc
+
+    def _rewind(self, part: Part, to: int) -> None:
+        with self.cond:
+            back = max(0, part.completed - to)
+            part.completed -= back
+            self.completed -= back
 
     def _advance(self, part: Part, n: int) -> None:
         with self.cond:

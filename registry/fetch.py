@@ -11,9 +11,12 @@ rules and redirect policy:
 * a 401 from the registry is answered once (token or Basic), then the request is repeated.
 
 Failures are sorted for the download loop: :class:`Transient` (retry with backoff), :class:`Stalled` (no bytes
-for the read timeout: restart the part), :class:`RangeIgnored` (the server sent the whole blob for a range) and
-:class:`Rejected` (an error status from a redirect target, e.g. an expired signed URL: start again from the
-registry). Anything else is a :class:`CorralError` and ends the download.
+for the read timeout: restart the part), :class:`RangeIgnored` (the server sent the whole blob for a range: the
+download starts again from byte 0) and :class:`Rejected` (an error status from a redirect target, e.g. an expired
+signed URL: start again from the registry). Anything else is a :class:`CorralError` and ends the download; an
+answer that is not the bytes it claims to be (a ``Content-Range`` or ``Content-Length`` other than the range
+asked, a 200 whose length is not the blob's, a chunked body shorter or longer than its range) is a
+:class:`RegistryProtocolError`. A body cut off by the network is :class:`Transient`.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ class RangeReader:
                  url: httpx.URL, timeout: float) -> None:
         self.conn = conn
         self.response = response
+        self.length = length
         self.remaining = length
         self.url = url
         self.timeout = timeout
@@ -132,7 +136,28 @@ class RangeReader:
     def _ended(self) -> None:
         if self.laggard:
             raise Stalled("far slower than the other parts")
+        if self.response.chunked:
+            # http.client raises IncompleteRead when a chunked body is cut off; an end here is the final chunk,
+            # so the server itself says the body is over: it does not match the range it promised
+            raise RegistryProtocolError(f"{self.url.host} ended its answer {self.remaining} bytes early: the body "
+                                        f"is shorter than the {self.length} bytes its headers promised")
         raise Transient(f"the body ended {self.remaining} bytes early")
+
+    def finish(self) -> None:
+        """After the last byte of the range: a body without a Content-Length must end there.
+
+        A body with a Content-Length was checked against the range before it was read (and http.client reads no
+        further); a chunked one could carry more, which means the server and we disagree about the bytes.
+        """
+        if self.remaining or self.response.length is not None:
+            return
+        try:
+            extra = self.response.read(1)
+        except (OSError, http.client.HTTPException, ValueError):
+            return  # the range is complete; whatever follows, the connection is closed
+        if extra:
+            raise RegistryProtocolError(f"{self.url.host} sent a body longer than the {self.length} bytes its "
+                                        "headers promised")
 
     def _count(self, n: int) -> None:
         self.remaining -= n
@@ -313,8 +338,15 @@ def open_range(client: RegistryClient, url: str | httpx.URL, digest: Digest, sta
                 raise
             return RangeReader(conn, response, end - start + 1, current, timeout)
         if status == 200:
+            # the whole blob, whatever range was asked; a Content-Length must then be the blob's size
             length = response.headers.get("content-length")
-            if start == 0 and end == total - 1 and (length is None or length == str(total)):
+            if length is not None and length.strip() != str(total):
+                conn.close()
+                raise RegistryProtocolError(
+                    f"{current.host} answered bytes {start}-{end} of blob {digest.short} with a 200 and "
+                    f"Content-Length {length[:30]!r} for a {total}-byte blob"
+                )
+            if start == 0 and end == total - 1:
                 return RangeReader(conn, response, total, current, timeout)
             conn.close()
             raise RangeIgnored(f"{current.host} ignored the Range header")

@@ -6,11 +6,14 @@ hostile:
 
 * Answers are read with size caps (manifests 4 MiB, tokens 1 MiB, error bodies 64 KiB) and ``Accept-Encoding:
   identity``, so neither a huge body nor a compression bomb can exhaust memory.
-* Redirects are followed by hand, only to ``http``/``https`` (``http`` only with ``insecure``), never from a
-  public registry to a loopback, private or link-local address, and never to link-local addresses at all.
-* Credentials (Basic, or a Bearer token) are sent only to the registry's own origin (scheme, host and port):
-  never after a redirect to another host.
-* A Bearer challenge's token realm must be on the registry's own host; otherwise no request is sent to it.
+* Redirects are followed by hand, only to ``http``/``https`` (``http`` only with ``insecure``). A target other
+  than the registry's own origin is looked up first: a name that does not resolve is refused, and every address
+  it resolves to must be allowed: never from a registry on a global address to a non-global one (loopback,
+  private, 100.64.0.0/10, unique-local...), and never to link-local addresses at all.
+* Credentials (Basic, or a Bearer token) are sent only to the registry's own origin (scheme, host and port, with
+  default ports normalised): never after a redirect to another host or port.
+* A Bearer challenge's token realm must be the registry's own origin (scheme, host and port); otherwise no request
+  is sent to it.
 """
 
 from __future__ import annotations
@@ -95,7 +98,13 @@ def _resolve(host: str) -> list[str]:
         return []
 
 
-def _addresses(host: str, resolve: Resolver) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+#: IPv6 prefixes that carry an IPv4 address in their last 32 bits (NAT64, RFC 6052 and RFC 8215).
+_NAT64 = (ipaddress.IPv6Network("64:ff9b::/96"), ipaddress.IPv6Network("64:ff9b:1::/48"))
+
+
+def _addresses(host: str, resolve: Resolver) -> list[Address]:
+    """The addresses ``host`` stands for: itself if it is an IP literal, else what it resolves to ([] if nothing)."""
     h = host.strip("[]").lower()
     try:
         return [ipaddress.ip_address(h)]
@@ -110,9 +119,33 @@ def _addresses(host: str, resolve: Resolver) -> list[ipaddress.IPv4Address | ipa
     return out
 
 
-def _internal(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    return bool(ip.is_loopback or ip.is_private or ip.is_link_local or ip.is_unspecified or ip.is_multicast
-                or ip.is_reserved)
+def _embedded(ip: Address) -> list[Address]:
+    """``ip`` and any IPv4 address it carries (IPv4-mapped, 6to4, Teredo, NAT64), so none can smuggle one in."""
+    out: list[Address] = [ip]
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            out.append(ip.ipv4_mapped)
+        if ip.sixtofour is not None:
+            out.append(ip.sixtofour)
+        if ip.teredo is not None:
+            out.append(ip.teredo[1])
+        if any(ip in net for net in _NAT64):
+            out.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+    return out
+
+
+def _internal(ip: Address) -> bool:
+    """Anything but a global unicast address: loopback, RFC 1918, carrier-grade NAT (100.64.0.0/10), link-local,
+    unique-local (fc00::/7), documentation, benchmarking and reserved ranges, multicast, unspecified."""
+    return any(not a.is_global or a.is_multicast for a in _embedded(ip))
+
+
+def _link_local(ip: Address) -> bool:
+    return any(a.is_link_local for a in _embedded(ip))
+
+
+def _local_name(host: str) -> bool:
+    return host == "localhost" or host.endswith(".localhost")
 
 
 @dataclass
@@ -128,12 +161,18 @@ class URLPolicy:
     def _classify_registry(self) -> None:
         if self._registry_internal is None:
             addrs = _addresses(self.registry.host, self.resolve)
-            local_name = self.registry.host == "localhost" or self.registry.host.endswith(".localhost")
-            self._registry_internal = local_name or any(_internal(a) for a in addrs)
-            self._registry_link_local = any(a.is_link_local for a in addrs)
+            self._registry_internal = _local_name(self.registry.host) or any(_internal(a) for a in addrs)
+            self._registry_link_local = any(_link_local(a) for a in addrs)
 
     def check(self, url: str) -> httpx.URL:
-        """The parsed URL, or RegistryProtocolError saying why the registry may not send us there."""
+        """The parsed URL, or RegistryProtocolError saying why the registry may not send us there.
+
+        Only the registry's own origin (scheme, host and port) is trusted as it is. Any other target is looked up
+        first: a name that does not resolve is refused, and every address it resolves to must be allowed. A
+        registry on a global address may not send us to any non-global one (loopback, RFC 1918, 100.64.0.0/10,
+        unique-local...); a registry the user named on such an address (``127.0.0.1:5000``, a LAN host) may use
+        its neighbours, but no registry may send us to a link-local address (cloud metadata) unless it is on one.
+        """
         try:
             u = httpx.URL(url)
         except (httpx.InvalidURL, ValueError) as exc:
@@ -148,18 +187,21 @@ class URLPolicy:
                 "trust this registry"
             )
         target = Origin.of(u)
-        if target.host == self.registry.host:
+        if target == self.registry:
             return u
         self._classify_registry()
         addrs = _addresses(target.host, self.resolve)
-        if any(a.is_link_local for a in addrs) and not self._registry_link_local:
+        if any(_link_local(a) for a in addrs) and not self._registry_link_local:
             raise RegistryProtocolError(
                 f"registry {self.registry.host} redirected to a link-local address ({target.host}); refused"
             )
-        local_name = target.host == "localhost" or target.host.endswith(".localhost")
-        if (local_name or any(_internal(a) for a in addrs)) and not self._registry_internal:
+        if (_local_name(target.host) or any(_internal(a) for a in addrs)) and not self._registry_internal:
             raise RegistryProtocolError(
                 f"registry {self.registry.host} redirected to an internal address ({target.host}); refused"
+            )
+        if not addrs and not _local_name(target.host):
+            raise RegistryProtocolError(
+                f"registry {self.registry.host} redirected to {target.host}, a name that does not resolve; refused"
             )
         return u
 
@@ -363,14 +405,16 @@ class RegistryClient:
         except (httpx.InvalidURL, ValueError):
             raise RegistryProtocolError(f"registry {self.name.host} sent an invalid token realm {realm[:200]!r}") \
                 from None
-        if realm_url.scheme not in ("http", "https") or (realm_url.host or "").lower() != self.origin.host:
-            raise RegistryProtocolError(
-                f"registry {self.name.host} asked for a token from another host ({realm_url.host or realm[:100]!r}); "
-                "refused: credentials are only sent to the registry's own host"
-            )
-        if realm_url.scheme == "http" and not self.insecure:
+        if realm_url.scheme == "http" and not self.insecure and (realm_url.host or "").lower() == self.origin.host:
             raise InsecureRegistry(f"registry {self.name.host} has a plain-HTTP token realm; use --insecure only if "
                                    "you trust this registry")
+        if realm_url.scheme not in ("http", "https") or Origin.of(realm_url) != self.origin:
+            # another port is another server (any local user may run one on 127.0.0.1), so the origin must match
+            where = f"{realm_url.host}:{Origin.of(realm_url).port}" if realm_url.host else repr(realm[:100])
+            raise RegistryProtocolError(
+                f"registry {self.name.host} asked for a token from another host or port ({where}); refused: "
+                f"credentials are only sent to the registry's own origin ({self.base})"
+            )
         query: list[tuple[str, str]] = []
         if params.get("service"):
             query.append(("service", params["service"]))

@@ -14,6 +14,7 @@ from cli.errors import LocalFileError
 from cli.modelfile_files import (
     ModelfileSource,
     adapter_files,
+    check_model_file,
     files_map,
     hash_file,
     model_files,
@@ -70,6 +71,11 @@ def build_request(name: str, source: ModelfileSource, client: DaemonClient) -> d
                 raise LocalFileError(f'no Modelfile or GGUF files found in "{local}"; name a Modelfile with -f') \
                     from None
     adapter_paths = [p for value in mf.adapters for p in adapter_files(value, source.base_dir)]
+    # every file is checked before the first is hashed or uploaded: FROM /etc/passwd never leaves the machine
+    for p in model_paths:
+        check_model_file(p, "FROM")
+    for p in adapter_paths:
+        check_model_file(p, "ADAPTER")
 
     digests = upload(client, model_paths + adapter_paths)
     if model_paths:

@@ -85,6 +85,9 @@ class FakeRegistry:
     slow_rate: float = 20_000.0
     error_body: bytes | None = None  # serve this as the body of 500s
     fail_patches: int = 0  # answer this many upload PATCHes with 503 (dropping their bytes)
+    # answer blob GETs with whatever this returns for (data, Range header): (status, headers, body); without a
+    # content-length header the body goes out chunked, so its length can be anything; None: serve normally
+    blob_reply: Callable[[bytes, str | None], tuple[int, dict[str, str], bytes] | None] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     # -- helpers for tests -----------------------------------------------------------------------------------
@@ -211,6 +214,9 @@ class FakeRegistry:
             return await self.respond(record, send, 500, self.error_body or b'{"errors":[{"code":"FLAKY"}]}')
         if digest in self.corrupt:
             data = bytes([data[0] ^ 0xFF]) + data[1:] if data else b"x"
+        reply = self.blob_reply(data, headers.get("range")) if self.blob_reply is not None else None
+        if reply is not None:
+            return await send_raw(record, send, *reply)
         await serve_bytes(record, send, data, headers.get("range"), ignore_range=self.ignore_range,
                           throttle=self.slow_rate if slow else self.throttle,
                           stall=self.stall_seconds if stall else 0.0)
@@ -276,6 +282,16 @@ async def serve_bytes(record: Seen, send: Send, data: bytes, range_header: str |
             ahead = record.sent / throttle - (time.monotonic() - began)
             if ahead > 0:
                 await asyncio.sleep(ahead)
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def send_raw(record: Seen, send: Send, status: int, headers: dict[str, str], body: bytes) -> None:
+    """A response exactly as given (chunked when ``headers`` has no content-length)."""
+    record.status = status
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
+    await send({"type": "http.response.body", "body": body, "more_body": True})
+    record.sent += len(body)
     await send({"type": "http.response.body", "body": b""})
 
 

@@ -366,6 +366,7 @@ def test_not_enough_disk_space(fake: tuple[FakeRegistry, ServerThread], store: S
     ("gopher://127.0.0.1:70/x", RegistryProtocolError, "only http"),
     ("http://169.254.169.254/latest/meta-data/", RegistryProtocolError, "link-local"),
     ("//[fe80::1]/x", RegistryProtocolError, "link-local"),
+    ("http://corral-test-nowhere.invalid/blob", RegistryProtocolError, "does not resolve"),
 ])
 def test_bad_blob_redirects_are_refused(fake: tuple[FakeRegistry, ServerThread], store: Store, location: str,
                                         error: type[CorralError], message: str) -> None:
@@ -444,6 +445,24 @@ def test_token_realm_on_another_host_is_refused(fake: tuple[FakeRegistry, Server
         with pytest.raises(RegistryProtocolError, match="token from another host"):
             pull(store, f"{server.host}/ns/m", auth_files=[tmp_path / "auth.json"])
     assert evil.seen == []
+
+
+def test_token_realm_on_another_port_of_the_same_host_is_refused(fake: tuple[FakeRegistry, ServerThread],
+                                                                 store: Store, tmp_path: Path) -> None:
+    """127.0.0.1:<other port> is another server (any local user may run one): it must not get the password."""
+    registry, server = fake
+    registry.add_model("ns/m", "latest", [(MODEL_TYPE, b"x")])
+    registry.bearer_token = "tok"
+    evil = BlobHost()
+    with ServerThread(evil) as evil_server:
+        registry.realm = f"http://127.0.0.1:{evil_server.port}/token"
+        from registry.credentials import Credentials, save
+
+        save(server.host, Credentials("alice", "pw"), tmp_path / "auth.json")
+        with pytest.raises(RegistryProtocolError, match="token from another host or port"):
+            pull(store, f"{server.host}/ns/m", auth_files=[tmp_path / "auth.json"])
+    assert evil.seen == []
+    assert_nothing_visible(store)
 
 
 def test_oversized_token_response(fake: tuple[FakeRegistry, ServerThread], store: Store) -> None:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from rich.console import Console
 
@@ -21,9 +22,10 @@ from registry.digest import Digest
 from registry.download import Downloads, Tuning, plan_parts
 from registry.errors import CredentialsError, InsecureRegistry, RegistryProtocolError
 from registry.manifest import Layer, Manifest
+from registry.names import ModelName
 from registry.pull import Puller
 from registry.push import Pusher
-from registry.remote import Origin, URLPolicy, parse_challenge
+from registry.remote import Origin, RegistryClient, URLPolicy, parse_challenge
 from registry.store import Store
 from tests.conftest import Daemon
 from tests.registry_pull.fake_registry import MODEL_TYPE, FakeRegistry, ServerThread, digest_of
@@ -113,6 +115,88 @@ def test_url_policy_for_a_local_registry() -> None:
     assert policy.check("http://127.0.0.1:9000/x").port == 9000  # a local registry may use local storage
     with pytest.raises(RegistryProtocolError, match="link-local"):
         policy.check("http://169.254.169.254/latest/meta-data/")
+
+
+def test_url_policy_refuses_every_non_global_address() -> None:
+    """Carrier-grade NAT (100.64.0.0/10, where Tailscale lives), ULA, IPv4 inside IPv6, reserved ranges: all
+    internal; a name is trusted only if every address it resolves to is allowed."""
+    table = {"registry.example": ["93.184.215.14"], "cgnat.example": ["100.64.1.2"], "ula.example": ["fd12::1"],
+             "mixed.example": ["104.16.0.2", "10.0.0.5"], "mapped.example": ["::ffff:127.0.0.1"],
+             "cdn.example": ["104.16.0.1", "2606:4700::1"]}
+    policy = URLPolicy(Origin.of("https://registry.example"), False, resolve=lambda host: table.get(host, []))
+    for url in ["https://100.64.0.1/x", "https://100.127.255.254/x", "https://cgnat.example/x",
+                "https://[fd12::1]/x", "https://ula.example/x", "https://mixed.example/x", "https://mapped.example/x",
+                "https://[::ffff:10.0.0.1]/x", "https://[64:ff9b::a00:1]/x", "https://[2002:a00:1::1]/x",
+                "https://0.0.0.0/x", "https://240.0.0.1/x", "https://198.18.0.1/x", "https://224.0.0.1/x"]:
+        with pytest.raises(RegistryProtocolError, match="internal address"):
+            policy.check(url)
+    with pytest.raises(RegistryProtocolError, match="link-local"):
+        policy.check("https://[::ffff:169.254.169.254]/x")
+    assert policy.check("https://cdn.example/x").host == "cdn.example"
+
+
+def test_url_policy_refuses_names_that_do_not_resolve() -> None:
+    policy = public_policy()
+    with pytest.raises(RegistryProtocolError, match=r"nowhere\.example.*does not resolve"):
+        policy.check("https://nowhere.example/blob")
+    # the registry's own origin needs no lookup; the same host on another port is another origin, looked up
+    registry_only = URLPolicy(Origin.of("https://registry.example"), False, resolve=lambda host: [])
+    assert registry_only.check("https://registry.example/v2/x").host == "registry.example"
+    assert registry_only.check("https://registry.example:443/v2/x").host == "registry.example"
+    with pytest.raises(RegistryProtocolError, match="does not resolve"):
+        registry_only.check("https://registry.example:8443/v2/x")
+
+
+def test_origins_normalise_default_ports() -> None:
+    assert Origin.of("https://Registry.Example/x") == Origin.of("https://registry.example:443/y")
+    assert Origin.of("http://registry.example") == Origin.of("http://registry.example:80")
+    assert Origin.of("https://registry.example") != Origin.of("https://registry.example:8443")
+    assert Origin.of("https://registry.example:80") != Origin.of("http://registry.example:80")
+
+
+@pytest.mark.parametrize("realm", ["https://registry.example:8443/token", "https://registry.example:80/token",
+                                   "http://registry.example/token", "https://auth.registry.example/token",
+                                   "https://registry.example.evil.example/token"])
+def test_token_realm_must_be_the_registry_origin(realm: str) -> None:
+    """A realm on the registry's host but another port (or scheme) is another server: no credentials go there."""
+    sent: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        if request.url.path == "/token":
+            return httpx.Response(200, json={"token": "t"})
+        return httpx.Response(401, headers={"www-authenticate": f'Bearer realm="{realm}",service="r"'})
+
+    client = RegistryClient(ModelName.parse("registry.example/ns/m"), credentials=Credentials("alice", "pw"),
+                            transport=httpx.MockTransport(handler))
+    try:
+        with pytest.raises((RegistryProtocolError, InsecureRegistry), match="token|plain-HTTP"):
+            client.get_manifest()
+    finally:
+        client.release()
+    assert [str(r.url) for r in sent] == ["https://registry.example/v2/ns/m/manifests/latest"]
+
+
+def test_token_realm_on_the_registry_origin_is_used() -> None:
+    sent: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        if request.url.path == "/token":
+            return httpx.Response(200, json={"token": "t"})
+        if request.headers.get("authorization") != "Bearer t":
+            return httpx.Response(401, headers={
+                "www-authenticate": 'Bearer realm="https://registry.example:443/token",service="r"'})
+        return httpx.Response(200, content=b"{}")
+
+    client = RegistryClient(ModelName.parse("registry.example/ns/m"), credentials=Credentials("alice", "pw"),
+                            transport=httpx.MockTransport(handler))
+    try:
+        assert client.get_manifest() == b"{}"
+    finally:
+        client.release()
+    assert [r.url.path for r in sent] == ["/v2/ns/m/manifests/latest", "/token", "/v2/ns/m/manifests/latest"]
+    assert sent[1].headers["authorization"].startswith("Basic ")
 
 
 def test_part_plans() -> None:
