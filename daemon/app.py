@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from daemon import errors
 from daemon.auth import APIKeyGate
+from daemon.disconnect import CancelOnDisconnect
 from daemon.observe import Metrics, Observe
 from daemon.catalog import Catalog
 from daemon.eviction import Budget
@@ -137,6 +138,7 @@ def create_app(
     def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    app.add_middleware(CancelOnDisconnect)
     if settings.api_key:
         app.add_middleware(APIKeyGate, key=settings.api_key)
     app.add_middleware(Observe, metrics=metrics)

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from daemon.bodies import read_body
-from daemon.errors import status_for
+from daemon.errors import error_headers, status_for
 from registry.errors import CorralError, InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def openai_error(exc: BaseException) -> JSONResponse:
     if status >= 500:
         log.error("request failed status=%d error=%s", status, exc)
     return JSONResponse({"error": {"message": str(exc), "type": kind, "param": getattr(exc, "param", None),
-                                   "code": code}}, status_code=status)
+                                   "code": code}}, status_code=status, headers=error_headers(exc, status))
 
 
 def anthropic_error(exc: BaseException) -> JSONResponse:
@@ -106,7 +106,8 @@ def anthropic_error(exc: BaseException) -> JSONResponse:
             429: "rate_limit_error", 503: "overloaded_error"}.get(status, "api_error")
     if status >= 500:
         log.error("request failed status=%d error=%s", status, exc)
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": str(exc)}}, status_code=status)
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": str(exc)}}, status_code=status,
+                        headers=error_headers(exc, status))
 
 
 def shaped(shape: Callable[[BaseException], JSONResponse]) -> Callable[[Handler], Handler]:

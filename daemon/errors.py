@@ -7,6 +7,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from registry.errors import (
     CorralError,
@@ -57,7 +58,13 @@ def error_response(exc: BaseException) -> JSONResponse:
     status = status_for(exc)
     if status >= 500:
         log.error("request failed status=%d error=%s", status, exc)
-    return JSONResponse({"error": str(exc)}, status_code=status)
+    return JSONResponse({"error": str(exc)}, status_code=status, headers=error_headers(exc, status))
+
+
+def error_headers(exc: BaseException, status: int) -> dict[str, str] | None:
+    """Headers an error answer carries in every API's shape: ``Retry-After`` on a 503 from a full daemon."""
+    retry = getattr(exc, "retry_after", None)
+    return {"Retry-After": str(retry)} if isinstance(retry, int) and status == 503 else None
 
 
 def install(app: FastAPI) -> None:
@@ -75,5 +82,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> Response:
+        if isinstance(exc, ClientDisconnect):  # the client left mid-body (or was cut by the body timeout)
+            log.info("client disconnected before its request body was complete")
+            return JSONResponse({"error": "request canceled"}, status_code=499)
         log.exception("unexpected error: %s", exc)
         return JSONResponse({"error": f"internal error: {exc}"}, status_code=500)

@@ -35,6 +35,7 @@ class SchedulerError(CorralError):
 
 class QueueFull(SchedulerError):
     status = 503
+    retry_after = 1  # seconds; the HTTP answer carries it as Retry-After
 
     def __init__(self) -> None:
         super().__init__("server busy, please try again.  maximum pending requests exceeded")
@@ -176,7 +177,8 @@ class Scheduler:
         self._wall = wall_clock
         self.fallbacks = fallbacks
         self._loaded: dict[str, Entry] = {}
-        self._queue: asyncio.Queue[_Pending] = asyncio.Queue(maxsize=max(1, max_queue))
+        self._max_queue = max(1, max_queue)
+        self._queue: asyncio.Queue[_Pending] = asyncio.Queue(maxsize=self._max_queue)
         self._changed = asyncio.Event()
         self._worker: asyncio.Task[None] | None = None
         self._closing = False
@@ -208,6 +210,8 @@ class Scheduler:
             raise SchedulerError("the server is shutting down")
         if self.fallbacks is not None and (blocked := self.fallbacks.blocked(spec)) is not None:
             raise blocked
+        if self.waiting() >= self._max_queue:
+            raise QueueFull()
         started = self._clock()
         entry = self._loaded.get(ref.key)
         if entry is not None and entry.spec == spec and not entry.unload_when_idle:
@@ -233,6 +237,13 @@ class Scheduler:
 
     def queue_depth(self) -> int:
         return self._queue.qsize()
+
+    def waiting(self) -> int:
+        """Requests admitted but not yet being served: those waiting for a load, and those holding a lease beyond
+        their runner's sequence slots (they wait inside the runner). ``CORRAL_MAX_QUEUE`` bounds this sum, so an
+        overloaded daemon answers 503 at once instead of queueing without end."""
+        inside = sum(max(0, e.refs - max(1, e.loaded_spec.num_parallel)) for e in self._loaded.values())
+        return self._queue.qsize() + inside
 
     async def stop(self, key: str) -> bool:
         """Unload ``key`` now, or as soon as its requests finish (keep_alive 0). False if it was not loaded."""
