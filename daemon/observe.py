@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from daemon import logs
 from daemon.security import ASGIApp, Receive, Scope, Send
 
 log = logging.getLogger("daemon.access")
@@ -128,9 +129,11 @@ class Observe:
                     self.metrics.ttft.labels(model).observe(info["ttft"])
                 if info.get("eval_duration"):
                     self.metrics.tps.labels(model).observe(info["eval_count"] / (info["eval_duration"] / 1e9))
-            extra = "".join(f" {k}={info[k]}" for k in ("model", "prompt_eval_count", "prompt_cached", "eval_count")
-                            if k in info)
+            # values from the request are quoted where they hold spaces, "=" or quotes (so no field can be forged);
+            # control characters are escaped by the log formatter (so no line can be)
+            extra = "".join(f" {k}={logs.quote(info[k])}" for k in ("model", "prompt_eval_count", "prompt_cached",
+                                                                     "eval_count") if k in info)
             if "prompt" in info:
                 extra += f" prompt={info['prompt']!r}"
-            log.info("request method=%s path=%s status=%s%s duration=%.3fs", scope["method"], scope["path"],
-                     info["status"], extra, seconds)
+            log.info("request method=%s path=%s status=%s%s duration=%.3fs", logs.quote(scope["method"]),
+                     logs.quote(scope["path"]), info["status"], extra, seconds)

@@ -1,14 +1,37 @@
-"""``corral serve``: take the store lock, bind the port, run the app with uvicorn."""
+"""``corral serve``: take the store lock, bind the port, run the app with uvicorn.
+
+Slow and idle clients cannot take the daemon down (what Go's net/http and Apache's mod_reqtimeout do, for h11):
+
+* **A cap on open connections.** At most :attr:`Limits.max_connections` sockets are kept (from the open-file limit,
+  which the daemon raises from its soft to its hard value at start). A connection beyond the cap closes the one that
+  has been idle longest (no request in progress: waiting for a request head, or kept alive between requests), so
+  a flood of idle sockets cannot lock well-behaved clients out; when every connection is busy with a request, the
+  newcomer is closed at once. Running out of descriptors anyway (``accept()`` fails with EMFILE, say because
+  the limit was lowered under the daemon) closes idle connections and fits the cap to the limit then in force.
+* **A header timeout.** A connection that has not sent a complete request head within
+  :attr:`Limits.header_timeout` seconds of connecting (or of the first byte of its next request) is closed.
+* **A body timeout.** A request body must keep coming: the deadline starts :attr:`Limits.body_timeout` seconds
+  ahead and each byte received moves it by ``1 / body_min_rate`` seconds, up to ``body_timeout`` ahead, so a body
+  trickled in slower than ``body_min_rate`` bytes a second is cut, while a large upload at any reasonable speed
+  is not. Time the daemon itself holds the body back (flow control, ``Expect: 100-continue``) does not count.
+* **A keep-alive timeout.** An idle kept-alive connection is closed after :attr:`Limits.keep_alive` seconds
+  (uvicorn's own timer; Ollama's Go server sets none).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
 import socket
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from daemon import logs
 from daemon.app import create_app
@@ -44,14 +67,256 @@ def bind(settings: Settings) -> socket.socket:
     return sock
 
 
+MAX_CONNECTIONS = 1024
+MIN_CONNECTIONS = 16
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_connections: int = MAX_CONNECTIONS
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    body_min_rate: float = 1024.0  # bytes per second
+    keep_alive: float = 5.0
+
+    @classmethod
+    def for_open_files(cls, nofile: int) -> Limits:
+        """Limits for a process allowed ``nofile`` open files: a quarter of them (at least 64) stay free for model
+        files, runner pipes, uploads and logs."""
+        if nofile <= 0:  # unknown or unlimited
+            return cls()
+        reserve = max(64, nofile // 4)
+        return cls(max_connections=max(MIN_CONNECTIONS, min(MAX_CONNECTIONS, nofile - reserve)))
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's soft open-file limit to its hard limit, as Go programs (Ollama) do at start; returns
+    the soft limit now in force (0 where there is none to read)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 0
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    infinite = resource.RLIM_INFINITY
+    if soft == infinite:
+        return 0
+    # macOS reports an unlimited hard limit but refuses a soft limit above OPEN_MAX (10240)
+    for want in ([hard] if hard != infinite else []) + [1 << 20, 65536, 10240]:
+        if want <= soft or (hard != infinite and want > hard):
+            continue
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            break
+        except (ValueError, OSError):
+            continue
+    return _soft_open_file_limit()
+
+
+def _soft_open_file_limit() -> int:
+    """The soft open-file limit in force, 0 if there is none (or no way to read it)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 0
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 0 if soft == resource.RLIM_INFINITY else int(soft)
+
+
+class _Gate:
+    """The connections open now, and which of them are idle (no request in progress), longest idle first."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.cap = limits.max_connections
+        self.open: set[_Protocol] = set()
+        self.idle: dict[_Protocol, None] = {}
+        self.last_shed = float("-inf")
+
+    def admit(self, proto: _Protocol) -> bool:
+        self.open.add(proto)
+        evicted = 0
+        while len(self.open) > self.cap:
+            victim = next(iter(self.idle), None)
+            if victim is None:
+                self.open.discard(proto)
+                log.warning("connection limit reached: %d connections open and all busy; refusing new connections",
+                            len(self.open))
+                return False
+            self._evict(victim)
+            evicted += 1
+        if evicted:
+            log.warning("connection limit reached: %d connections open; closing the longest idle ones", self.cap)
+        return True
+
+    def _evict(self, proto: _Protocol) -> None:
+        self.forget(proto)
+        proto.transport.close()
+
+    def mark(self, proto: _Protocol, idle: bool) -> None:
+        self.idle.pop(proto, None)
+        if idle and proto in self.open:
+            self.idle[proto] = None
+
+    def forget(self, proto: _Protocol) -> None:
+        self.open.discard(proto)
+        self.idle.pop(proto, None)
+
+    def out_of_descriptors(self, now: float, nofile: int) -> tuple[int, int] | None:
+        """accept() failed for want of file descriptors (``nofile`` is the soft limit now): fit the cap to that
+        limit (someone may have lowered it) and close half the idle connections (at least 16) to make room for the
+        ones asyncio has accepted meanwhile and is about to hand over. At most once a second: asyncio calls this
+        for every failed accept, thousands of times a second. Returns (connections closed, cap)."""
+        if now - self.last_shed < 1.0:
+            return None
+        self.last_shed = now
+        if nofile > 0:
+            self.cap = min(self.cap, Limits.for_open_files(nofile).max_connections)
+        target = max(len(self.idle) // 2, min(MIN_CONNECTIONS, len(self.idle)), len(self.open) - self.cap)
+        closed = 0
+        while closed < target and self.idle:
+            self._evict(next(iter(self.idle)))
+            closed += 1
+        return closed, self.cap
+
+
+class _Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the connection cap, the header timeout and the body timeout."""
+
+    gate: ClassVar[_Gate]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._phase = ""  # head (waiting for a request head), body, busy (request in hand), idle (kept alive)
+        self._deadline = 0.0
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._watchdog_at = 0.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if not self.gate.admit(self):
+            transport.close()
+            return
+        self._update()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.gate.forget(self)
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        before = self._phase
+        super().data_received(data)
+        self._update()
+        if self._phase == "body" and before == "body":
+            limits = self.gate.limits
+            self._deadline = min(self._deadline + len(data) / limits.body_min_rate,
+                                 self.loop.time() + limits.body_timeout)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._update()
+
+    def _update(self) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        state = self.conn.their_state
+        if state is h11.IDLE:
+            phase = "idle" if self.timeout_keep_alive_task is not None else "head"
+        elif state is h11.SEND_BODY:
+            phase = "body"
+        else:
+            phase = "busy"
+        if phase == self._phase:
+            return
+        self._phase = phase
+        self.gate.mark(self, idle=phase in ("head", "idle"))
+        limits = self.gate.limits
+        if phase == "head":
+            self._arm(self.loop.time() + limits.header_timeout)
+        elif phase == "body":
+            self._arm(self.loop.time() + limits.body_timeout)
+        else:  # busy: the app has the request; idle: uvicorn's keep-alive timer runs
+            self._disarm()
+
+    def _arm(self, deadline: float) -> None:
+        self._deadline = deadline
+        if self._watchdog is not None and self._watchdog_at <= deadline:
+            return  # it fires earlier, sees the new deadline and waits on
+        self._disarm()
+        self._watchdog_at = deadline
+        self._watchdog = self.loop.call_at(deadline, self._check)
+
+    def _disarm(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+
+    def _check(self) -> None:
+        self._watchdog = None
+        if self.transport is None or self.transport.is_closing() or self._phase not in ("head", "body"):
+            return
+        now = self.loop.time()
+        limits = self.gate.limits
+        if self._phase == "body":
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete and (
+                    self.flow.read_paused or cycle.waiting_for_100_continue):
+                # the daemon is holding the body back, not the client
+                self._deadline = max(self._deadline, now + limits.body_timeout)
+        if now < self._deadline:
+            self._watchdog_at = self._deadline
+            self._watchdog = self.loop.call_at(self._deadline, self._check)
+            return
+        if self._phase == "head":
+            log.debug("closing a connection that sent no complete request head within %gs", limits.header_timeout)
+        else:
+            log.debug("closing a connection whose request body came slower than %g bytes/s",
+                      limits.body_min_rate)
+        self.gate.forget(self)
+        self.transport.close()
+
+
 class _Server(uvicorn.Server):
     """uvicorn re-raises SIGTERM/SIGINT after a graceful shutdown; a clean shutdown should exit 0 instead."""
+
+    gate: _Gate
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         with super().capture_signals():
             yield
             self._captured_signals.clear()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        asyncio.get_running_loop().set_exception_handler(self._loop_exception)
+        await super().startup(sockets=sockets)
+
+    def _loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE) and "socket" in context:
+            shed = self.gate.out_of_descriptors(loop.time(), _soft_open_file_limit())
+            if shed is not None:
+                log.error("out of file descriptors accepting connections (%s); closed %d idle connections, keeping at "
+                          "most %d from now on", exc.strerror, shed[0], shed[1])
+            return
+        # After each failed accept asyncio schedules a retry of the listener (one per connection it tried that
+        # round: thousands); those still pending at shutdown find the listening socket closed and fail. Noise.
+        callback = getattr(context.get("handle"), "_callback", None)
+        if self.should_exit and getattr(callback, "__name__", "") == "_start_serving":
+            return
+        loop.default_exception_handler(context)
+
+
+def make_server(app: Any, *, limits: Limits, debug: int = 0) -> _Server:
+    gate = _Gate(limits)
+    protocol = type("CorralH11Protocol", (_Protocol,), {"gate": gate})
+    # ws="none": the API has no WebSocket routes, and an upgraded connection would leave the gate's count
+    keep_alive: Any = limits.keep_alive  # uvicorn types it as int; a float works (tests use fractions)
+    config = uvicorn.Config(app, http=protocol, ws="none", log_config=None, access_log=debug > 0,
+                            timeout_graceful_shutdown=10, timeout_keep_alive=keep_alive)
+    server = _Server(config)
+    server.gate = gate
+    return server
 
 
 class InsecureBind(CorralError):
@@ -66,14 +331,16 @@ def serve(settings: Settings, *, insecure: bool = False) -> int:
             "--insecure if you really mean to serve without a key"
         )
     logs.configure(settings.debug)
+    limits = Limits.for_open_files(raise_open_file_limit())
     store = Store(settings.models)
     store.lock()
     try:
         sock = bind(settings)
-        log.info("listening address=%s models=%s", settings.host, store.root)
+        log.info("listening address=%s models=%s max_connections=%d", settings.host, store.root,
+                 limits.max_connections)
         app = create_app(settings, store=store)
-        config = uvicorn.Config(app, log_config=None, access_log=settings.debug > 0, timeout_graceful_shutdown=10)
-        _Server(config).run(sockets=[sock])
+        make_server(app, limits=limits, debug=settings.debug).run(sockets=[sock])
     finally:
         store.unlock()
+        logs.flush()
     return 0
