@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import batching  # noqa: E402
+import batching
 
 
 def start(config: str, gguf: Path, work: Path) -> batching.Corral:
@@ -67,13 +67,15 @@ def main() -> None:
             server.stream(batching.PROMPTS[0], 8)  # warm up
             up.append((config, server))
         for r in range(args.rounds):
-            for config, server in up[r % len(up):] + up[:r % len(up)]:
+            for config, server in up[r % len(up) :] + up[: r % len(up)]:
                 runs[config].append(batching.load_test(server, args.streams, args.tokens)["tps"])
     first = runs[args.configs[0]]
     for config in args.configs:
-        ratios = [x / y for x, y in zip(runs[config], first)]
-        print(f"{config:40s} median {statistics.median(runs[config]):6.1f} tok/s   ratio to the first, median of the "
-              f"rounds {statistics.median(ratios):.3f}   runs {[round(x) for x in runs[config]]}")
+        ratios = [x / y for x, y in zip(runs[config], first, strict=True)]
+        print(
+            f"{config:40s} median {statistics.median(runs[config]):6.1f} tok/s   ratio to the first, median of the "
+            f"rounds {statistics.median(ratios):.3f}   runs {[round(x) for x in runs[config]]}"
+        )
 
 
 if __name__ == "__main__":

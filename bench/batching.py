@@ -22,8 +22,8 @@ bench-only; corral does not depend on them); bench/setup_peers.sh installs them.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import concurrent.futures as cf
+import contextlib
 import json
 import os
 import socket
@@ -46,8 +46,7 @@ from tests.models import smollm2_path  # noqa: E402
 # The peers come from llama-cpp-python's sdist (the same version corral pins), unpacked here by
 # bench/setup_peers.sh: its batched example server (examples/server/server.py) and llama.cpp's llama-server,
 # built from the llama.cpp sources vendored in it.
-SDIST = Path(os.environ.get("CORRAL_BENCH_SDIST",
-                            Path.home() / ".cache" / "corral-bench" / "llama_cpp_python-0.3.36"))
+SDIST = Path(os.environ.get("CORRAL_BENCH_SDIST", Path.home() / ".cache" / "corral-bench" / "llama_cpp_python-0.3.36"))
 
 # What every server is asked to sample with: greedy by default; --sample sets Ollama's default truncation
 # (temperature 0.8, top_k 40, top_p 0.9) and min_p 0 everywhere (llama-server's default is 0.05). No repeat penalty
@@ -96,23 +95,41 @@ class Corral:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("CORRAL_", "OLLAMA_"))}
-        env.update({"CORRAL_HOST": f"127.0.0.1:{self.port}", "CORRAL_MODELS": str(work / "models"),
-                    "PYTHONPATH": str(REPO), "CORRAL_NUM_PARALLEL": str(slots)})
-        self.proc = subprocess.Popen([sys.executable, "-m", "cli", "serve"], env=env, cwd=REPO,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env.update(
+            {
+                "CORRAL_HOST": f"127.0.0.1:{self.port}",
+                "CORRAL_MODELS": str(work / "models"),
+                "PYTHONPATH": str(REPO),
+                "CORRAL_NUM_PARALLEL": str(slots),
+            }
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cli", "serve"],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait_up(self.url + "/api/version", self.proc)
         digest = "sha256:" + __import__("hashlib").sha256(gguf.read_bytes()).hexdigest()
         with gguf.open("rb") as f:
             httpx.post(f"{self.url}/api/blobs/{digest}", content=f, timeout=120).raise_for_status()
-        httpx.post(self.url + "/api/create", json={"model": "bench", "files": {gguf.name: digest}, "stream": False,
-                                                   "parameters": {"num_ctx": ctx}}, timeout=120).raise_for_status()
+        httpx.post(
+            self.url + "/api/create",
+            json={"model": "bench", "files": {gguf.name: digest}, "stream": False, "parameters": {"num_ctx": ctx}},
+            timeout=120,
+        ).raise_for_status()
         httpx.post(self.url + "/api/generate", json={"model": "bench"}, timeout=120).raise_for_status()
 
     def stream(self, prompt: str, tokens: int) -> tuple[float, int]:
         # raw: the same prompt tokens the peers' /v1/completions evaluate (no chat template); repeat_penalty 1.0:
         # the peers' default (Ollama's is 1.1)
-        body = {"model": "bench", "prompt": prompt, "raw": True,
-                "options": {**SAMPLING, "num_predict": tokens, "repeat_penalty": 1.0}}
+        body = {
+            "model": "bench",
+            "prompt": prompt,
+            "raw": True,
+            "options": {**SAMPLING, "num_predict": tokens, "repeat_penalty": 1.0},
+        }
         start, first, count = time.perf_counter(), 0.0, 0
         with CLIENT.stream("POST", self.url + "/api/generate", json=body) as r:
             for line in r.iter_lines():
@@ -172,13 +189,15 @@ class OpenAIPeer(Corral):
         return first, usage or chunks, text
 
     def stream(self, prompt: str, tokens: int) -> tuple[float, int]:
-        first, count, _ = self._sse("/v1/completions", {"prompt": prompt, "max_tokens": tokens, **SAMPLING,
-                                                        "repeat_penalty": 1.0}, "text")
+        first, count, _ = self._sse(
+            "/v1/completions", {"prompt": prompt, "max_tokens": tokens, **SAMPLING, "repeat_penalty": 1.0}, "text"
+        )
         return first, count
 
     def chat_ttft(self, messages: list[dict[str, str]]) -> tuple[float, str]:
-        first, _, text = self._sse("/v1/chat/completions", {"messages": messages, "max_tokens": 16,
-                                                            "temperature": 0}, "delta")
+        first, _, text = self._sse(
+            "/v1/chat/completions", {"messages": messages, "max_tokens": 16, "temperature": 0}, "delta"
+        )
         return first, text
 
 
@@ -186,10 +205,27 @@ class LlamaCppPythonServer(OpenAIPeer):
     name = "llama-cpp-python server"
 
     def __init__(self, gguf: Path, ctx: int, work: Path, slots: int) -> None:
-        self.start([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", str(ctx),
-                    "--host", "127.0.0.1", "--port", "{port}", "--model_alias", "bench",
-                    "--n_threads", str(os.cpu_count()),
-                    "--interrupt_requests", "false"])  # its default drops a running stream when another comes
+        self.start(
+            [
+                sys.executable,
+                "-m",
+                "llama_cpp.server",
+                "--model",
+                str(gguf),
+                "--n_ctx",
+                str(ctx),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "{port}",
+                "--model_alias",
+                "bench",
+                "--n_threads",
+                str(os.cpu_count()),
+                "--interrupt_requests",
+                "false",
+            ]
+        )  # its default drops a running stream when another comes
 
 
 class BatchedExampleServer(OpenAIPeer):
@@ -199,14 +235,27 @@ class BatchedExampleServer(OpenAIPeer):
         script = SDIST / "examples" / "server" / "server.py"
         config = work / "example.json"
         port = free_port()
-        config.write_text(json.dumps({
-            "server": {"host": "127.0.0.1", "port": port},
-            "model": {"alias": "bench", "path": str(gguf), "n_ctx": ctx * slots, "n_seq_max": slots,
-                      "n_batch": 512, "n_ubatch": 512, "threads": os.cpu_count(), "threads_batch": os.cpu_count()},
-        }))
+        config.write_text(
+            json.dumps(
+                {
+                    "server": {"host": "127.0.0.1", "port": port},
+                    "model": {
+                        "alias": "bench",
+                        "path": str(gguf),
+                        "n_ctx": ctx * slots,
+                        "n_seq_max": slots,
+                        "n_batch": 512,
+                        "n_ubatch": 512,
+                        "threads": os.cpu_count(),
+                        "threads_batch": os.cpu_count(),
+                    },
+                }
+            )
+        )
         self.port, self.url = port, f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([sys.executable, str(script), "-C", str(config)], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), "-C", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         wait_up(self.url + "/v1/models", self.proc)
 
 
@@ -215,8 +264,26 @@ class LlamaServer(OpenAIPeer):
 
     def __init__(self, gguf: Path, ctx: int, work: Path, slots: int) -> None:
         binary = SDIST / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
-        self.start([str(binary), "-m", str(gguf), "-c", str(ctx * slots), "-np", str(slots), "-t",
-                    str(os.cpu_count()), "--host", "127.0.0.1", "--port", "{port}", "-a", "bench"], "/health")
+        self.start(
+            [
+                str(binary),
+                "-m",
+                str(gguf),
+                "-c",
+                str(ctx * slots),
+                "-np",
+                str(slots),
+                "-t",
+                str(os.cpu_count()),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "{port}",
+                "-a",
+                "bench",
+            ],
+            "/health",
+        )
 
 
 def check_idle(servers: list[Corral]) -> None:
@@ -255,8 +322,12 @@ def second_turn(server: Corral, nonce: int, others: int) -> tuple[float, float, 
     """Times to first token of a chat's first turn (a ~1,000-token history), of its second turn, and of its third
     turn after ``others`` users (as many as the slots) each ran a chat of their own in the meantime."""
     # the nonce opens the history, so no server has the first turn cached from an earlier round
-    history = [{"role": "system", "content": f"Session {nonce}. " + "You are a careful assistant who remembers "
-                "everything. " * 12}]
+    history = [
+        {
+            "role": "system",
+            "content": f"Session {nonce}. " + "You are a careful assistant who remembers everything. " * 12,
+        }
+    ]
     for i in range(24):
         history.append({"role": "user", "content": f"Note number {i}: the {i}th box holds {i * 7} red marbles."})
         history.append({"role": "assistant", "content": f"Noted: box {i} has {i * 7} red marbles."})
@@ -264,8 +335,10 @@ def second_turn(server: Corral, nonce: int, others: int) -> tuple[float, float, 
     first, reply = server.chat_ttft(history)
     history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And in box 5?"}]
     second, reply = server.chat_ttft(history)
-    chats = [[{"role": "user", "content": f"Visitor {nonce}-{k}: " + "Tell me about the old harbour town. " * 25}]
-             for k in range(others)]
+    chats = [
+        [{"role": "user", "content": f"Visitor {nonce}-{k}: " + "Tell me about the old harbour town. " * 25}]
+        for k in range(others)
+    ]
     with cf.ThreadPoolExecutor(max(1, others)) as ex:
         list(ex.map(server.chat_ttft, chats))
     history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And in box 7?"}]
@@ -292,8 +365,11 @@ def main() -> None:
     if gguf is None:
         sys.exit("SmolLM2 is not cached: run scripts/fetch_smollm2.py")
     levels = [int(x) for x in args.streams.split(",")]
-    chosen = {"llama-server": LlamaServer, "batched-example": BatchedExampleServer,
-              "llama-cpp-python-server": LlamaCppPythonServer}
+    chosen = {
+        "llama-server": LlamaServer,
+        "batched-example": BatchedExampleServer,
+        "llama-cpp-python-server": LlamaCppPythonServer,
+    }
     servers = [Corral, *(chosen[p] for p in args.peers.split(",") if p)]
     runs: dict[str, dict[int, list[dict[str, float]]]] = {cls.name: {n: [] for n in levels} for cls in servers}
     turn_runs: dict[str, list[tuple[float, float, float]]] = {cls.name: [] for cls in servers}
@@ -311,17 +387,32 @@ def main() -> None:
         # each load level in an order that rotates: the machine's slow drifts then hit every server alike.
         for r in range(args.rounds):
             for n in levels:
-                for server in up[r % len(up):] + up[:r % len(up)]:
+                for server in up[r % len(up) :] + up[: r % len(up)]:
                     runs[server.name][n].append(load_test(server, n, args.tokens))
             for server in up:
-                turn_runs[server.name].append((0.0, 0.0, 0.0) if args.skip_turns else second_turn(server, r, args.slots))
+                turn_runs[server.name].append(
+                    (0.0, 0.0, 0.0) if args.skip_turns else second_turn(server, r, args.slots)
+                )
             for server in up:
-                print(f"round {r + 1}", server.name, {n: round(runs[server.name][n][-1]["tps"], 1) for n in levels},
-                      [round(x) for x in turn_runs[server.name][-1]], flush=True)
-    table = {name: {n: {k: statistics.median(x[k] for x in per[n]) for k in ("tps", "p50", "p95")} for n in levels}
-             for name, per in runs.items()}
-    turns = {name: (statistics.median(x[0] for x in t), statistics.median(x[1] for x in t),
-                    statistics.median(x[2] for x in t)) for name, t in turn_runs.items()}
+                print(
+                    f"round {r + 1}",
+                    server.name,
+                    {n: round(runs[server.name][n][-1]["tps"], 1) for n in levels},
+                    [round(x) for x in turn_runs[server.name][-1]],
+                    flush=True,
+                )
+    table = {
+        name: {n: {k: statistics.median(x[k] for x in per[n]) for k in ("tps", "p50", "p95")} for n in levels}
+        for name, per in runs.items()
+    }
+    turns = {
+        name: (
+            statistics.median(x[0] for x in t),
+            statistics.median(x[1] for x in t),
+            statistics.median(x[2] for x in t),
+        )
+        for name, t in turn_runs.items()
+    }
     lines = render(table, turns, levels, args)
     print("\n".join(lines))
     if args.write:
@@ -334,27 +425,40 @@ def heading(args: argparse.Namespace) -> str:
     return "## Many users at once: continuous batching (issue 7)"
 
 
-def render(table: dict[str, dict[int, dict[str, float]]], turns: dict[str, tuple[float, float, float]], levels: list[int],
-           args: argparse.Namespace) -> list[str]:
+def render(
+    table: dict[str, dict[int, dict[str, float]]],
+    turns: dict[str, tuple[float, float, float]],
+    levels: list[int],
+    args: argparse.Namespace,
+) -> list[str]:
     peers = [name for name in table if name != "corral"]
     c = table["corral"]
     flags = (" --sample" if args.sample else "") + (" --skip-turns" if args.skip_turns else "")
-    sampling = ("sampled with temperature 0.8, top_k 40, top_p 0.9, min_p 0 (Ollama's default truncation; "
-                "llama-server's min_p default of 0.05 turned off)" if args.sample else "at temperature 0")
+    sampling = (
+        "sampled with temperature 0.8, top_k 40, top_p 0.9, min_p 0 (Ollama's default truncation; "
+        "llama-server's min_p default of 0.05 turned off)"
+        if args.sample
+        else "at temperature 0"
+    )
     lines = [
-        heading(args), "",
+        heading(args),
+        "",
         f"Command: `bench/setup_peers.sh && .venv/bin/python bench/batching.py --tokens {args.tokens} "
         f"--streams {args.streams} --ctx {args.ctx} --slots {args.slots} --rounds {args.rounds}{flags} "
-        "--write docs/benchmarks.md`", "",
+        "--write docs/benchmarks.md`",
+        "",
         f"SmolLM2-135M-Instruct Q4_1, CPU only, 2 cores, num_ctx {args.ctx} per sequence, {args.slots} parallel "
-        f"sequences for every server that batches, {args.tokens} tokens per stream {sampling}, no repeat penalty, streaming, the same "
-        "raw prompt for every server (corral: `/api/generate` with `raw`; the peers: `/v1/completions`). "
+        f"sequences for every server that batches, {args.tokens} tokens per stream {sampling}, no repeat penalty, "
+        "streaming, the same raw prompt for every server (corral: `/api/generate` with `raw`; "
+        "the peers: `/v1/completions`). "
         "Peers: llama.cpp's `llama-server` built from the llama.cpp sources vendored in the llama-cpp-python 0.3.36 "
         "sdist (`-np` slots, `-c` = num_ctx x slots); that sdist's batched example server "
         "(`examples/server/server.py`, `n_seq_max` slots); llama-cpp-python's stock server (`python -m "
         "llama_cpp.server --interrupt_requests false`: one request at a time; by default a new request cuts off the "
         f"one streaming). All servers are up at once (idle, they use no CPU: checked) and take turns at each load "
-        f"level, in an order that rotates, {args.rounds} rounds; each number is the median over the rounds. Aggregate generated tokens/s; ratio = corral / best peer.", "",
+        f"level, in an order that rotates, {args.rounds} rounds; each number is the median over the rounds. "
+        "Aggregate generated tokens/s; ratio = corral / best peer.",
+        "",
         "| streams | corral | " + " | ".join(peers) + " | corral / best peer |",
         "|---|---|" + "---|" * len(peers) + "---|",
     ]
@@ -363,28 +467,43 @@ def render(table: dict[str, dict[int, dict[str, float]]], turns: dict[str, tuple
         cells = " | ".join(f"{table[p][n]['tps']:.1f}" for p in peers)
         ratio = f"{c[n]['tps'] / best:.2f}" if best else "-"
         lines.append(f"| {n} | {c[n]['tps']:.1f} | {cells} | {ratio} |")
-    lines += ["", "Reading it: on this shared 2-core machine one server's rounds spread by 10-20%, so a ratio within "
-              "about 0.05 of 1.0 is a tie. On the CPU all the batching servers run the same llama.cpp kernels, and "
-              "corral's runner spends about 95% of each step inside `llama_decode` (py-spy, four streams), so "
-              "corral matches llama-server rather than beating it by much; it is well ahead of both "
-              "llama-cpp-python servers. What corral pays that llama-server does not is the hop through the "
-              "daemon: ~0.25 ms of daemon CPU per streamed token, taken from the two cores the step runs on."]
+    lines += [
+        "",
+        "Reading it: on this shared 2-core machine one server's rounds spread by 10-20%, so a ratio within "
+        "about 0.05 of 1.0 is a tie. On the CPU all the batching servers run the same llama.cpp kernels, and "
+        "corral's runner spends about 95% of each step inside `llama_decode` (py-spy, four streams), so "
+        "corral matches llama-server rather than beating it by much; it is well ahead of both "
+        "llama-cpp-python servers. What corral pays that llama-server does not is the hop through the "
+        "daemon: ~0.25 ms of daemon CPU per streamed token, taken from the two cores the step runs on.",
+    ]
     if args.sample:
-        lines += ["", "Sampling: corral draws every row together with numpy, top-k without a pass over the whole "
-                  "vocabulary (a quarter of what one argpartition per row cost: see the sampling section). A stream that "
-                  "samples the end of text at once yields no token, so a level can show 0 for one server."]
-    lines += ["", "Time to first token, p50 / p95 (ms):", "",
-              "| streams | corral | " + " | ".join(peers) + " |", "|---|---|" + "---|" * len(peers)]
+        lines += [
+            "",
+            "Sampling: corral draws every row together with numpy, top-k without a pass over the whole "
+            "vocabulary (a quarter of what one argpartition per row cost: see the sampling section). A stream that "
+            "samples the end of text at once yields no token, so a level can show 0 for one server.",
+        ]
+    lines += [
+        "",
+        "Time to first token, p50 / p95 (ms):",
+        "",
+        "| streams | corral | " + " | ".join(peers) + " |",
+        "|---|---|" + "---|" * len(peers),
+    ]
     for n in levels:
         cells = " | ".join(f"{table[p][n]['p50']:.0f} / {table[p][n]['p95']:.0f}" for p in peers)
         lines.append(f"| {n} | {c[n]['p50']:.0f} / {c[n]['p95']:.0f} | {cells} |")
     if args.skip_turns:
         return lines + [""]
-    lines += ["", "A chat with a ~1,000-token history (time to first token, ms): its first turn, its second turn, "
-              f"and its third turn after {args.slots} other users (as many as the slots) each had a chat of their "
-              "own in the meantime, which takes the chat's slot:", "",
-              "| server | first turn | second turn | second / first | third turn, after others | third / first |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "A chat with a ~1,000-token history (time to first token, ms): its first turn, its second turn, "
+        f"and its third turn after {args.slots} other users (as many as the slots) each had a chat of their "
+        "own in the meantime, which takes the chat's slot:",
+        "",
+        "| server | first turn | second turn | second / first | third turn, after others | third / first |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, (a, b, c) in turns.items():
         lines.append(f"| {name} | {a:.0f} | {b:.0f} | {b / a:.2f} | {c:.0f} | {c / a:.2f} |")
     return lines + [""]
@@ -395,7 +514,7 @@ def write_section(path: Path, lines: list[str], head: str) -> None:
     if head in text:
         start = text.index(head)
         nxt = text.find("\n## ", start + len(head))
-        text = text[:start] + text[nxt + 1:] if nxt >= 0 else text[:start]
+        text = text[:start] + text[nxt + 1 :] if nxt >= 0 else text[:start]
     path.write_text(text.rstrip("\n") + "\n\n" + "\n".join(lines))
 
 

@@ -35,8 +35,10 @@ from tests.models import smollm2_path  # noqa: E402
 
 HEAD = "## CPU kernels: extra buffer types and KV cache type"
 SHORT = "Write a short story about a robot who learns to paint. Once upon a time"
-PARAGRAPH = ("The old lighthouse keeper kept a journal of every ship that passed the point, the weather of each "
-             "morning, the birds that rested on the rail, and the letters he never sent to his brother in the city. ")
+PARAGRAPH = (
+    "The old lighthouse keeper kept a journal of every ship that passed the point, the weather of each "
+    "morning, the birds that rested on the rail, and the letters he never sent to his brother in the city. "
+)
 KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml_type values, as daemon/runners/llama_cpp.py
 
 
@@ -88,7 +90,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     def feed(tokens: list[int]) -> int:
         """Evaluate tokens in batches of 512; the argmax of the last one's logits."""
         for i in range(0, len(tokens), 512):
-            part = tokens[i:i + 512]
+            part = tokens[i : i + 512]
             arr = (lc.llama_token * len(part))(*part)
             rc = lc.llama_decode(ctx, lc.llama_batch_get_one(arr, len(part)))
             if rc != 0:
@@ -123,18 +125,27 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
 
     lc.llama_free(ctx)
     lc.llama_model_free(model)
-    return {"load": load, "short_tps": short_tps, "long_tps": long_tps, "prompt_tps": len(long) / prompt_s,
-            "repack_mib": mib("CPU_REPACK model"), "kv_mib": mib("KV"), "long_tokens": len(long),
-            "short_out": short_out[:16]}
+    return {
+        "load": load,
+        "short_tps": short_tps,
+        "long_tps": long_tps,
+        "prompt_tps": len(long) / prompt_s,
+        "repack_mib": mib("CPU_REPACK model"),
+        "kv_mib": mib("KV"),
+        "long_tokens": len(long),
+        "short_out": short_out[:16],
+    }
 
 
 # -- the parent ------------------------------------------------------------------------------------------------
 def requantize(src: Path, dst: Path) -> None:
     """A Q4_0 copy of a GGUF (llama.cpp's own quantizer, from the Q4_1 weights)."""
-    code = ("import sys, llama_cpp as lc\n"
-            "p = lc.llama_model_quantize_default_params()\n"
-            "p.ftype = lc.LLAMA_FTYPE_MOSTLY_Q4_0; p.allow_requantize = True\n"
-            "sys.exit(lc.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))\n")
+    code = (
+        "import sys, llama_cpp as lc\n"
+        "p = lc.llama_model_quantize_default_params()\n"
+        "p.ftype = lc.LLAMA_FTYPE_MOSTLY_Q4_0; p.allow_requantize = True\n"
+        "sys.exit(lc.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))\n"
+    )
     subprocess.run([sys.executable, "-c", code, str(src), str(dst)], check=True, capture_output=True)
 
 
@@ -207,19 +218,28 @@ def main() -> int:
     load_before = os.getloadavg()[0]
     results: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             path, extra, kv = configs[name]
-            cfg = {"model": str(path), "extra_bufts": extra, "kv": kv, "n_ctx": n_ctx, "threads": threads,
-                   "tokens": args.tokens, "long": args.long}
-            out = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg)], capture_output=True,
-                                 text=True)
+            cfg = {
+                "model": str(path),
+                "extra_bufts": extra,
+                "kv": kv,
+                "n_ctx": n_ctx,
+                "threads": threads,
+                "tokens": args.tokens,
+                "long": args.long,
+            }
+            out = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg)], capture_output=True, text=True)
             if out.returncode != 0:
                 print(f"{name}: child failed ({out.returncode}): {out.stderr[-2000:]}", file=sys.stderr)
                 return 1
             results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(f"round {r + 1} {name}: {results[name][-1]['short_tps']:.1f} / {results[name][-1]['long_tps']:.1f}"
-                  " tok/s", file=sys.stderr)
+            print(
+                f"round {r + 1} {name}: {results[name][-1]['short_tps']:.1f} / {results[name][-1]['long_tps']:.1f}"
+                " tok/s",
+                file=sys.stderr,
+            )
 
     def med(name: str, key: str) -> float:
         return statistics.median(x[key] for x in results[name])
@@ -227,42 +247,58 @@ def main() -> int:
     def rel(name: str, base: str, key: str) -> str:
         return f"{med(name, key) / med(base, key):.2f}×"
 
-    lines = ["| configuration | repacked weights (MiB) | KV cache (MiB) | decode tok/s, short prompt | "
-             f"decode tok/s after {args.long} tokens | prompt eval tok/s ({args.long} tokens) | vs its baseline "
-             "(short / long / prompt) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| configuration | repacked weights (MiB) | KV cache (MiB) | decode tok/s, short prompt | "
+        f"decode tok/s after {args.long} tokens | prompt eval tok/s ({args.long} tokens) | vs its baseline "
+        "(short / long / prompt) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name in names:
         base = name.split(",")[0] + ", extra bufts on, KV f16"
-        versus = "baseline" if name == base else " / ".join(rel(name, base, k) for k in
-                                                              ("short_tps", "long_tps", "prompt_tps"))
-        lines.append(f"| {name} | {med(name, 'repack_mib'):.1f} | {med(name, 'kv_mib'):.1f} | "
-                     f"{med(name, 'short_tps'):.1f} | {med(name, 'long_tps'):.1f} | {med(name, 'prompt_tps'):.0f} | "
-                     f"{versus} |")
+        versus = (
+            "baseline"
+            if name == base
+            else " / ".join(rel(name, base, k) for k in ("short_tps", "long_tps", "prompt_tps"))
+        )
+        lines.append(
+            f"| {name} | {med(name, 'repack_mib'):.1f} | {med(name, 'kv_mib'):.1f} | "
+            f"{med(name, 'short_tps'):.1f} | {med(name, 'long_tps'):.1f} | {med(name, 'prompt_tps'):.0f} | "
+            f"{versus} |"
+        )
     same = {name: results[name][0]["short_out"] == results[names[0]][0]["short_out"] for name in names[:3]}
     table = "\n".join(lines)
     print(table)
     load_after = os.getloadavg()[0]
     cpu, flags = cpu_description()
-    command = (f".venv/bin/python bench/cpu_kernels.py --rounds {args.rounds} --tokens {args.tokens} "
-               f"--long {args.long} --write docs/benchmarks.md")
+    command = (
+        f".venv/bin/python bench/cpu_kernels.py --rounds {args.rounds} --tokens {args.tokens} "
+        f"--long {args.long} --write docs/benchmarks.md"
+    )
     if args.write:
         section = [
-            HEAD, "", f"Command: `{command}`", "",
+            HEAD,
+            "",
+            f"Command: `{command}`",
+            "",
             f"CPU: {cpu}, {os.cpu_count()} logical cores, {threads} threads; AMX/AVX512 flags: {flags}. "
             f"SmolLM2-135M-Instruct as shipped (Q4_1) and a Q4_0 copy requantized by llama.cpp; num_ctx {n_ctx}, "
             f"batch 512, flash attention on for every configuration; greedy, {args.tokens} generated tokens; "
-            f"each configuration in a fresh process, {args.rounds} rounds taking turns, medians. \"Extra bufts\" is "
+            f'each configuration in a fresh process, {args.rounds} rounds taking turns, medians. "Extra bufts" is '
             "`use_extra_bufts` in llama.cpp's model params (repacked weights for the CPU's wide kernels, AMX on "
             "CPUs that have it); the KV type is `type_k`/`type_v` (`CORRAL_KV_CACHE_TYPE`). Decode speed is one "
             "over the median step; prompt eval is one 1000-token evaluation per process, so noisier. Load average "
-            f"(1 min) before the run {load_before:.2f}, after {load_after:.2f}.", "",
-            table, "",
-            reading(names, med, rel, same, args.long), "",
+            f"(1 min) before the run {load_before:.2f}, after {load_after:.2f}.",
+            "",
+            table,
+            "",
+            reading(names, med, rel, same, args.long),
+            "",
         ]
         text = args.write.read_text() if args.write.exists() else "# Benchmarks\n"
         if HEAD in text:
             start = text.index(HEAD)
             nxt = text.find("\n## ", start + len(HEAD))
-            text = text[:start] + text[nxt + 1:] if nxt >= 0 else text[:start]
+            text = text[:start] + text[nxt + 1 :] if nxt >= 0 else text[:start]
         args.write.write_text(text.rstrip("\n") + "\n\n" + "\n".join(section))
     return 0
 

@@ -41,8 +41,8 @@ out = []
 openers = json.loads(sys.argv[7])
 for i in range(int(sys.argv[5])):
     start = time.perf_counter(); first = None; n = 0
-    for chunk in llm.create_completion(openers[i] + " " + sys.argv[6], max_tokens=int(sys.argv[3]), temperature=0, repeat_penalty=1.0,
-                                       stream=True):
+    for chunk in llm.create_completion(openers[i] + " " + sys.argv[6], max_tokens=int(sys.argv[3]), temperature=0,
+                                       repeat_penalty=1.0, stream=True):
         if first is None:
             first = time.perf_counter()
         n += 1
@@ -53,8 +53,23 @@ print(json.dumps({"load": load, "runs": out}))
 
 
 def in_process(model: Path, n_ctx: int, tokens: int, threads: int, runs: int) -> dict:
-    r = subprocess.run([sys.executable, "-c", IN_PROCESS, str(model), str(n_ctx), str(tokens), str(threads),
-                        str(runs), PROMPT, json.dumps(OPENERS)], capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            IN_PROCESS,
+            str(model),
+            str(n_ctx),
+            str(tokens),
+            str(threads),
+            str(runs),
+            PROMPT,
+            json.dumps(OPENERS),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -72,8 +87,11 @@ def through_daemon(url: str, tokens: int, n_ctx: int, runs: int) -> dict:
             start = time.perf_counter()
             first = None
             n = 0
-            with h.stream("POST", "/api/generate", json={"model": "bench", "prompt": OPENERS[i] + " " + PROMPT, "raw": True,
-                                                         "options": opts}) as resp:
+            with h.stream(
+                "POST",
+                "/api/generate",
+                json={"model": "bench", "prompt": OPENERS[i] + " " + PROMPT, "raw": True, "options": opts},
+            ) as resp:
                 for line in resp.iter_lines():
                     if not line:
                         continue
@@ -85,8 +103,13 @@ def through_daemon(url: str, tokens: int, n_ctx: int, runs: int) -> dict:
                         first = time.perf_counter()
                     n += 1
             end = time.perf_counter()
-            out.append({"ttft": first - start, "decode_tps": (final["eval_count"] - 1) / (end - first),
-                        "tokens": final["eval_count"]})
+            out.append(
+                {
+                    "ttft": first - start,
+                    "decode_tps": (final["eval_count"] - 1) / (end - first),
+                    "tokens": final["eval_count"],
+                }
+            )
         return {"load": load, "runs": out}
 
 

@@ -35,8 +35,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.conftest import start_daemon, stop_daemon  # noqa: E402
-from tests.registry_pull.conftest import start_registry, stop_registry  # noqa: E402
+from tests.conftest import start_daemon, stop_daemon
+from tests.registry_pull.conftest import start_registry, stop_registry
 
 SECTION = "\n## Pull: corral vs curl from a local registry (issue 5)\n"
 
@@ -57,28 +57,37 @@ def upload(base: str, repo: str, path: Path, digest: str) -> None:
     with httpx.Client(base_url=base, timeout=600) as c:
         loc = httpx.URL(c.post(f"/v2/{repo}/blobs/uploads/").headers["location"])
         with open(path, "rb") as f:
-            r = c.put(loc.copy_merge_params({"digest": digest}), content=f,
-                      headers={"Content-Type": "application/octet-stream",
-                               "Content-Length": str(path.stat().st_size)})
+            r = c.put(
+                loc.copy_merge_params({"digest": digest}),
+                content=f,
+                headers={"Content-Type": "application/octet-stream", "Content-Length": str(path.stat().st_size)},
+            )
         r.raise_for_status()
 
 
 def push_model(base: str, repo: str, layer: Path, digest: str) -> None:
     upload(base, repo, layer, digest)
-    config = tempfile.NamedTemporaryFile(delete=False)
-    config.write(b'{"model_format":"gguf","architecture":"amd64","os":"linux"}')
-    config.close()
+    with tempfile.NamedTemporaryFile(delete=False) as config:
+        config.write(b'{"model_format":"gguf","architecture":"amd64","os":"linux"}')
     cpath = Path(config.name)
     cdigest = "sha256:" + hashlib.sha256(cpath.read_bytes()).hexdigest()
     upload(base, repo, cpath, cdigest)
-    doc = {"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
-           "config": {"mediaType": "application/vnd.docker.container.image.v1+json", "digest": cdigest,
-                      "size": cpath.stat().st_size},
-           "layers": [{"mediaType": "application/vnd.ollama.image.model", "digest": digest,
-                       "size": layer.stat().st_size}]}
+    doc = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+        "config": {
+            "mediaType": "application/vnd.docker.container.image.v1+json",
+            "digest": cdigest,
+            "size": cpath.stat().st_size,
+        },
+        "layers": [{"mediaType": "application/vnd.ollama.image.model", "digest": digest, "size": layer.stat().st_size}],
+    }
     cpath.unlink()
-    r = httpx.put(f"{base}/v2/{repo}/manifests/latest", content=json.dumps(doc).encode(),
-                  headers={"Content-Type": "application/vnd.docker.distribution.manifest.v2+json"})
+    r = httpx.put(
+        f"{base}/v2/{repo}/manifests/latest",
+        content=json.dumps(doc).encode(),
+        headers={"Content-Type": "application/vnd.docker.distribution.manifest.v2+json"},
+    )
     r.raise_for_status()
 
 
@@ -120,8 +129,10 @@ def main() -> int:
         name = f"{registry.host}/bench/big:latest"
         curl_times, corral_times = [], []
         for i in range(args.rounds):
-            sides = [("curl", lambda: time_curl(blob_url, tmp / "models" / "curl.out")),
-                     ("corral", lambda: time_corral(daemon.url, name))]
+            sides = [
+                ("curl", lambda: time_curl(blob_url, tmp / "models" / "curl.out")),
+                ("corral", lambda: time_corral(daemon.url, name)),
+            ]
             for side, run in sides if i % 2 == 0 else reversed(sides):
                 os.sync()  # the previous run's writeback must not land in this one
                 time.sleep(1)
@@ -137,16 +148,19 @@ def main() -> int:
     # each round's two runs are back to back, so their ratio is the least disturbed by other load on the machine
     ratios = [c / o for c, o in zip(curl_times, corral_times, strict=True)]
     pair_ratio = statistics.median(ratios)
-    table = "\n".join([
-        "| side | median MB/s | median seconds | runs |",
-        "|---|---|---|---|",
-        f"| curl (one GET into a file) | {curl_mbs:.0f} | {statistics.median(curl_times):.2f} | {len(curl_times)} |",
-        f"| corral pull (8 ranged GETs, sha256) | {corral_mbs:.0f} | {statistics.median(corral_times):.2f} |"
-        f" {len(corral_times)} |",
-        "",
-        f"corral / curl: **{pair_ratio:.2f}×** (median of the rounds' ratios; ratio of the medians "
-        f"{corral_mbs / curl_mbs:.2f}×; per round: {', '.join(f'{r:.2f}' for r in ratios)})",
-    ])
+    table = "\n".join(
+        [
+            "| side | median MB/s | median seconds | runs |",
+            "|---|---|---|---|",
+            f"| curl (one GET into a file) | {curl_mbs:.0f} | {statistics.median(curl_times):.2f} |"
+            f" {len(curl_times)} |",
+            f"| corral pull (8 ranged GETs, sha256) | {corral_mbs:.0f} | {statistics.median(corral_times):.2f} |"
+            f" {len(corral_times)} |",
+            "",
+            f"corral / curl: **{pair_ratio:.2f}×** (median of the rounds' ratios; ratio of the medians "
+            f"{corral_mbs / curl_mbs:.2f}×; per round: {', '.join(f'{r:.2f}' for r in ratios)})",
+        ]
+    )
     print(table)
     if args.write:
         section = (

@@ -54,8 +54,12 @@ PEER_COMMIT = "aeba1fc"
 
 def previous_implementation() -> Any:
     """The sampler as it was before top_candidates, loaded from git into a module of its own."""
-    source = subprocess.run(["git", "-C", str(REPO), "show", f"{PEER_COMMIT}:daemon/runners/sampling.py"],
-                            check=True, capture_output=True, text=True).stdout
+    source = subprocess.run(
+        ["git", "-C", str(REPO), "show", f"{PEER_COMMIT}:daemon/runners/sampling.py"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     folder = Path(tempfile.mkdtemp())
     (folder / "previous_sampling.py").write_text(source)
     sys.path.insert(0, str(folder))
@@ -76,15 +80,22 @@ def main() -> None:
             runs = 3 if "top_k 0" in name else 5
             ours = [SeqSampler.from_params({"seed": i, **params}, 2048) for i in range(n)]
             theirs = [previous.SeqSampler.from_params({"seed": i, **params}, 2048) for i in range(n)]
-            ms = best(lambda rows: sample_rows(rows, ours, windows), logits, runs)
-            old = best(lambda rows: previous.sample_rows(rows, theirs, windows), logits, runs)
+            ms = best(lambda rows, ours=ours, windows=windows: sample_rows(rows, ours, windows), logits, runs)
+            old = best(
+                lambda rows, theirs=theirs, windows=windows: previous.sample_rows(rows, theirs, windows), logits, runs
+            )
             rows_out.append((f"{n} x {vocab:,}", name, ms, old))
             print(rows_out[-1], flush=True)
-    lines = ["## Sampling cost per step (issue 7)", "",
-             "Command: `.venv/bin/python bench/sampling.py --write docs/benchmarks.md`", "",
-             (__doc__ or "").split("\n\n", 2)[2].strip().replace("\n", " "), "",
-             f"| batch | options | corral now (ms) | before, {PEER_COMMIT} (ms) | now / before |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "## Sampling cost per step (issue 7)",
+        "",
+        "Command: `.venv/bin/python bench/sampling.py --write docs/benchmarks.md`",
+        "",
+        (__doc__ or "").split("\n\n", 2)[2].strip().replace("\n", " "),
+        "",
+        f"| batch | options | corral now (ms) | before, {PEER_COMMIT} (ms) | now / before |",
+        "|---|---|---|---|---|",
+    ]
     lines += [f"| {shape} | {name} | {ms:.2f} | {old:.2f} | {ms / old:.2f} |" for shape, name, ms, old in rows_out]
     lines.append("")
     print("\n".join(lines))
@@ -94,7 +105,7 @@ def main() -> None:
         if head in text:
             start = text.index(head)
             nxt = text.find("\n## ", start + len(head))
-            text = text[:start] + text[nxt + 1:] if nxt >= 0 else text[:start]
+            text = text[:start] + text[nxt + 1 :] if nxt >= 0 else text[:start]
         args.write.write_text(text.rstrip("\n") + "\n\n" + "\n".join(lines))
 
 

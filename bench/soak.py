@@ -55,21 +55,32 @@ OPTS = {"num_predict": 12, "temperature": 0.7, "num_ctx": 1024}
 def actions(model: str) -> list[tuple[str, str, float]]:
     """(kind, name, weight)."""
     return [
-        ("valid", "generate-stream", 6), ("valid", "chat", 5), ("valid", "openai-chat", 3),
-        ("valid", "anthropic", 2), ("valid", "show", 2), ("valid", "tags", 2), ("valid", "ps", 2),
+        ("valid", "generate-stream", 6),
+        ("valid", "chat", 5),
+        ("valid", "openai-chat", 3),
+        ("valid", "anthropic", 2),
+        ("valid", "show", 2),
+        ("valid", "tags", 2),
+        ("valid", "ps", 2),
         ("valid", "version", 2),
-        ("invalid", "bad-json", 1), ("invalid", "unknown-model", 1), ("invalid", "bad-options", 1),
-        ("invalid", "huge-ctx", 1), ("invalid", "bad-think", 1), ("invalid", "traversal", 1),
+        ("invalid", "bad-json", 1),
+        ("invalid", "unknown-model", 1),
+        ("invalid", "bad-options", 1),
+        ("invalid", "huge-ctx", 1),
+        ("invalid", "bad-think", 1),
+        ("invalid", "traversal", 1),
         ("invalid", "hostile-template", 1),
-        ("aborted", "stream-drop", 2), ("aborted", "give-up", 2),
+        ("aborted", "stream-drop", 2),
+        ("aborted", "give-up", 2),
     ]
 
 
 async def one(client: httpx.AsyncClient, name: str, model: str) -> int:
     """Run one action; returns the HTTP status (0 for a deliberately aborted request)."""
     if name == "generate-stream":
-        async with client.stream("POST", "/api/generate", json={"model": model, "prompt": "Count: 1 2 3",
-                                                                 "options": OPTS}) as r:
+        async with client.stream(
+            "POST", "/api/generate", json={"model": model, "prompt": "Count: 1 2 3", "options": OPTS}
+        ) as r:
             async for line in r.aiter_lines():
                 if '"error"' in line:
                     return 599  # an error inside a stream
@@ -78,50 +89,82 @@ async def one(client: httpx.AsyncClient, name: str, model: str) -> int:
         r = await client.post("/api/chat", json={"model": model, "messages": CHAT, "stream": False, "options": OPTS})
         return r.status_code
     if name == "openai-chat":
-        r = await client.post("/v1/chat/completions", json={"model": model, "messages": CHAT, "max_tokens": 12,
-                                                            "options": {"num_ctx": 1024}})
+        r = await client.post(
+            "/v1/chat/completions",
+            json={"model": model, "messages": CHAT, "max_tokens": 12, "options": {"num_ctx": 1024}},
+        )
         return r.status_code
     if name == "anthropic":
-        r = await client.post("/v1/messages", json={"model": model, "messages": CHAT, "max_tokens": 12,
-                                                    "options": {"num_ctx": 1024}})
+        r = await client.post(
+            "/v1/messages", json={"model": model, "messages": CHAT, "max_tokens": 12, "options": {"num_ctx": 1024}}
+        )
         return r.status_code
     if name in ("show", "tags", "ps", "version"):
         if name == "show":
             return (await client.post("/api/show", json={"model": model})).status_code
         return (await client.get(f"/api/{name}")).status_code
     if name == "bad-json":
-        return (await client.post("/api/chat", content=b'{"model": "x", "messages": [', headers={
-            "Content-Type": "application/json"})).status_code
+        return (
+            await client.post(
+                "/api/chat", content=b'{"model": "x", "messages": [', headers={"Content-Type": "application/json"}
+            )
+        ).status_code
     if name == "unknown-model":
-        return (await client.post("/api/generate", json={"model": "nope-" + str(random.random()), "prompt": "x",
-                                                          "stream": False})).status_code
+        return (
+            await client.post(
+                "/api/generate", json={"model": "nope-" + str(random.random()), "prompt": "x", "stream": False}
+            )
+        ).status_code
     if name == "bad-options":
-        bad = random.choice([{"temperature": -1}, {"top_p": 7}, {"num_ctx": "many"}, {"repeat_penalty": 0},
-                             {"num_thread": 100000}, {"top_k": -5}])
-        return (await client.post("/api/generate", json={"model": model, "prompt": "x", "stream": False,
-                                                          "options": bad})).status_code
+        bad = random.choice(
+            [
+                {"temperature": -1},
+                {"top_p": 7},
+                {"num_ctx": "many"},
+                {"repeat_penalty": 0},
+                {"num_thread": 100000},
+                {"top_k": -5},
+            ]
+        )
+        return (
+            await client.post("/api/generate", json={"model": model, "prompt": "x", "stream": False, "options": bad})
+        ).status_code
     if name == "huge-ctx":
-        return (await client.post("/api/generate", json={"model": model, "prompt": "x", "stream": False,
-                                                          "options": {"num_ctx": 1 << 30}})).status_code
+        return (
+            await client.post(
+                "/api/generate", json={"model": model, "prompt": "x", "stream": False, "options": {"num_ctx": 1 << 30}}
+            )
+        ).status_code
     if name == "bad-think":
-        return (await client.post("/api/chat", json={"model": model, "messages": CHAT, "think": "very",
-                                                      "stream": False})).status_code
+        return (
+            await client.post("/api/chat", json={"model": model, "messages": CHAT, "think": "very", "stream": False})
+        ).status_code
     if name == "traversal":
         return (await client.post("/api/show", json={"model": "../../etc/passwd"})).status_code
     if name == "hostile-template":
         template = "{{range $i := .Messages}}" * 6 + "x" + "{{end}}" * 6
-        return (await client.post("/api/generate", json={"model": model, "prompt": "x", "stream": False,
-                                                          "template": template, "options": OPTS})).status_code
+        return (
+            await client.post(
+                "/api/generate",
+                json={"model": model, "prompt": "x", "stream": False, "template": template, "options": OPTS},
+            )
+        ).status_code
     if name == "stream-drop":
-        async with client.stream("POST", "/api/generate", json={"model": model, "prompt": "Tell a story",
-                                                                 "options": {**OPTS, "num_predict": 64}}) as r:
+        async with client.stream(
+            "POST",
+            "/api/generate",
+            json={"model": model, "prompt": "Tell a story", "options": {**OPTS, "num_predict": 64}},
+        ) as r:
             async for _ in r.aiter_lines():
                 break  # leave after the first chunk
         return 0
     if name == "give-up":
         try:
-            await client.post("/api/chat", json={"model": model, "messages": CHAT, "stream": False,
-                                                  "options": {**OPTS, "num_predict": 64}}, timeout=0.3)
+            await client.post(
+                "/api/chat",
+                json={"model": model, "messages": CHAT, "stream": False, "options": {**OPTS, "num_predict": 64}},
+                timeout=0.3,
+            )
         except httpx.TimeoutException:
             pass
         return 0
@@ -169,7 +212,7 @@ def slope_per_hour(samples: list[tuple[float, int]]) -> float:
     ys = [b / 1e6 for _, b in samples]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     den = sum((x - mx) ** 2 for x in xs) or 1.0
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den * 3600
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den * 3600
 
 
 async def soak(url: str, model: str, minutes: float, clients: int, pid: int) -> dict:
@@ -209,8 +252,13 @@ async def soak(url: str, model: str, minutes: float, clients: int, pid: int) -> 
     await asyncio.gather(sampler(), *(client_loop(i) for i in range(clients)))
     d, r, fds = rss_tree(pid)
     samples.append((time.monotonic() - started, d, r, fds))
-    return {"latencies": latencies, "statuses": statuses, "transport": transport, "samples": samples,
-            "seconds": time.monotonic() - started}
+    return {
+        "latencies": latencies,
+        "statuses": statuses,
+        "transport": transport,
+        "samples": samples,
+        "seconds": time.monotonic() - started,
+    }
 
 
 def pct(values: list[float], q: float) -> float:
@@ -223,29 +271,39 @@ def pct(values: list[float], q: float) -> float:
 def report(res: dict, problems: list[str], args: argparse.Namespace, log_bytes: int) -> list[str]:
     samples = res["samples"]
     half = [s for s in samples if s[0] >= samples[-1][0] / 2]
-    lines = ["## Soak: mixed valid, invalid and aborted requests (issue 17)", "",
-             f"`{' '.join(['.venv/bin/python', 'bench/soak.py'] + sys.argv[1:])}`: {args.clients} clients for "
-             f"{res['seconds'] / 60:.1f} minutes against one SmolLM2 model on this {os.cpu_count()}-core machine.",
-             "", "| kind | answered | by class | p50 s | p99 s |", "|---|---|---|---|---|"]
+    lines = [
+        "## Soak: mixed valid, invalid and aborted requests (issue 17)",
+        "",
+        f"`{' '.join(['.venv/bin/python', 'bench/soak.py'] + sys.argv[1:])}`: {args.clients} clients for "
+        f"{res['seconds'] / 60:.1f} minutes against one SmolLM2 model on this {os.cpu_count()}-core machine.",
+        "",
+        "| kind | answered | by class | p50 s | p99 s |",
+        "|---|---|---|---|---|",
+    ]
     for kind in ("valid", "invalid", "aborted"):
         classes = {c: n for (k, c), n in res["statuses"].items() if k == kind}
         lat = res["latencies"].get(kind, [])
-        lines.append(f"| {kind} | {sum(classes.values())} | "
-                     f"{', '.join(f'{c} {n}' for c, n in sorted(classes.items()))} | {pct(lat, 0.5):.2f} | "
-                     f"{pct(lat, 0.99):.2f} |")
+        lines.append(
+            f"| {kind} | {sum(classes.values())} | "
+            f"{', '.join(f'{c} {n}' for c, n in sorted(classes.items()))} | {pct(lat, 0.5):.2f} | "
+            f"{pct(lat, 0.99):.2f} |"
+        )
     transport = sum(res["transport"].values())
-    lines += ["", f"- transport errors (connection refused/reset, timeouts other than the deliberate ones): "
-                  f"{transport}" + (f" ({', '.join(f'{k} {v}' for k, v in res['transport'].most_common(5))})"
-                                    if transport else ""),
-              f"- daemon resident memory: {samples[0][1] / 1e6:.0f} MB at start, {samples[-1][1] / 1e6:.0f} MB at "
-              f"end, trend over the second half {slope_per_hour([(t, d) for t, d, _, _ in half]):+.1f} MB/hour",
-              f"- runners' resident memory: {samples[0][2] / 1e6:.0f} MB at start, {samples[-1][2] / 1e6:.0f} MB at "
-              f"end, trend over the second half {slope_per_hour([(t, r) for t, _, r, _ in half]):+.1f} MB/hour",
-              f"- daemon open file descriptors: {samples[0][3]} at start, {max(s[3] for s in samples)} at most, "
-              f"{samples[-1][3]} at end",
-              f"- daemon log: {log_bytes / 1e6:.1f} MB",
-              f"- store check after the soak: {'no lost or corrupted files' if not problems else '; '.join(problems)}",
-              ""]
+    lines += [
+        "",
+        f"- transport errors (connection refused/reset, timeouts other than the deliberate ones): "
+        f"{transport}"
+        + (f" ({', '.join(f'{k} {v}' for k, v in res['transport'].most_common(5))})" if transport else ""),
+        f"- daemon resident memory: {samples[0][1] / 1e6:.0f} MB at start, {samples[-1][1] / 1e6:.0f} MB at "
+        f"end, trend over the second half {slope_per_hour([(t, d) for t, d, _, _ in half]):+.1f} MB/hour",
+        f"- runners' resident memory: {samples[0][2] / 1e6:.0f} MB at start, {samples[-1][2] / 1e6:.0f} MB at "
+        f"end, trend over the second half {slope_per_hour([(t, r) for t, _, r, _ in half]):+.1f} MB/hour",
+        f"- daemon open file descriptors: {samples[0][3]} at start, {max(s[3] for s in samples)} at most, "
+        f"{samples[-1][3]} at end",
+        f"- daemon log: {log_bytes / 1e6:.1f} MB",
+        f"- store check after the soak: {'no lost or corrupted files' if not problems else '; '.join(problems)}",
+        "",
+    ]
     return lines
 
 
@@ -265,8 +323,7 @@ def main() -> None:
         env.update({"CORRAL_HOST": f"127.0.0.1:{port}", "CORRAL_MODELS": f"{tmp}/models", "PYTHONPATH": str(REPO)})
         log_path = Path(tmp) / "daemon.log"
         with log_path.open("wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "cli", "serve"], env=env, cwd=REPO, stdout=log,
-                                    stderr=log)
+            proc = subprocess.Popen([sys.executable, "-m", "cli", "serve"], env=env, cwd=REPO, stdout=log, stderr=log)
             try:
                 for _ in range(300):
                     try:
@@ -277,10 +334,14 @@ def main() -> None:
                 digest = "sha256:" + hashlib.sha256(gguf.read_bytes()).hexdigest()
                 with gguf.open("rb") as f:
                     httpx.post(f"{url}/api/blobs/{digest}", content=f, timeout=120).raise_for_status()
-                httpx.post(url + "/api/create", json={"model": "soak", "files": {gguf.name: digest},
-                                                      "stream": False}, timeout=120).raise_for_status()
-                httpx.post(url + "/api/generate", json={"model": "soak", "options": {"num_ctx": 1024}},
-                           timeout=120).raise_for_status()
+                httpx.post(
+                    url + "/api/create",
+                    json={"model": "soak", "files": {gguf.name: digest}, "stream": False},
+                    timeout=120,
+                ).raise_for_status()
+                httpx.post(
+                    url + "/api/generate", json={"model": "soak", "options": {"num_ctx": 1024}}, timeout=120
+                ).raise_for_status()
                 res = asyncio.run(soak(url, "soak", args.minutes, args.clients, proc.pid))
                 alive = proc.poll() is None
             finally:

@@ -54,8 +54,10 @@ def stats_lines(final: dict[str, Any]) -> list[str]:
     def rate(count: int, ns: int) -> str:
         return f"{count / (ns / 1e9):.2f} tokens/s" if ns > 0 else "0.00 tokens/s"
 
-    lines = [f"total duration:       {go_duration(int(final.get('total_duration') or 0))}",
-             f"load duration:        {go_duration(int(final.get('load_duration') or 0))}"]
+    lines = [
+        f"total duration:       {go_duration(int(final.get('total_duration') or 0))}",
+        f"load duration:        {go_duration(int(final.get('load_duration') or 0))}",
+    ]
     pc, pd = int(final.get("prompt_eval_count") or 0), int(final.get("prompt_eval_duration") or 0)
     ec, ed = int(final.get("eval_count") or 0), int(final.get("eval_duration") or 0)
     if pc:
@@ -185,8 +187,10 @@ class Printer:
             self.out.write(RESET)
         for call in answer.tool_calls:
             fn = call.get("function") or {}
-            self.out.write(f"Model called a non-existent function '{fn.get('name', '')}()' with arguments: "
-                           f"{json.dumps(fn.get('arguments') or {})}\n")
+            self.out.write(
+                f"Model called a non-existent function '{fn.get('name', '')}()' with arguments: "
+                f"{json.dumps(fn.get('arguments') or {})}\n"
+            )
         self.out.write("\n" if answer.content and not answer.content.endswith("\n") else "")
         self.out.write("\n")
         self.out.flush()

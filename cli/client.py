@@ -1,8 +1,8 @@
 """DaemonClient: the CLI's typed view of the daemon's Ollama-compatible HTTP API (httpx, JSON and NDJSON).
 
 Every failure leaves this module as a :class:`CorralError`: ``{"error": msg}`` bodies by status (400
-:class:`InvalidRequest`, 404 :class:`NotFound` / :class:`ModelNotFound`, else :class:`CorralError`, with
-``.status`` set), a refused connection as :class:`DaemonUnreachable`, other transport failures as
+:class:`InvalidRequest`, 404 :class:`NotFound` / :class:`ModelNotFound`, else :class:`CorralError` constructed with
+its ``status``), a refused connection as :class:`DaemonUnreachable`, other transport failures as
 :class:`DaemonConnectionError`.
 """
 
@@ -36,17 +36,13 @@ def _address(url: httpx.URL) -> str:
 
 
 def error_for(status: int, message: str) -> CorralError:
-    """The exception for an error reply; ``.status`` carries the HTTP status."""
-    exc: CorralError
+    """The exception for an error reply, constructed with the reply's HTTP status as its ``.status``."""
     if status == 400:
-        exc = InvalidRequest(message)
-    elif status == 404:
+        return InvalidRequest(message, status=status)
+    if status == 404:
         m = _MODEL_NOT_FOUND.fullmatch(message)
-        exc = ModelNotFound(m.group(1), message) if m else NotFound(message)
-    else:
-        exc = CorralError(message)
-    exc.status = status  # type: ignore[attr-defined]
-    return exc
+        return ModelNotFound(m.group(1), message, status=status) if m else NotFound(message, status=status)
+    return CorralError(message, status=status)
 
 
 def _message(response: httpx.Response) -> str:
@@ -64,8 +60,14 @@ def _message(response: httpx.Response) -> str:
 class DaemonClient:
     """A synchronous client for one daemon. ``timeout`` bounds non-streaming calls (None: no limit)."""
 
-    def __init__(self, base_url: str, timeout: float | None = 60.0, *, api_key: str | None = None,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        timeout: float | None = 60.0,
+        *,
+        api_key: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         headers = {
             "User-Agent": f"corral/{__version__} ({platform.machine()} {platform.system().lower()}) "
             f"Python/{platform.python_version()}",
@@ -118,8 +120,10 @@ class DaemonClient:
         """NDJSON objects from a streaming call; a line with ``error`` raises :class:`CorralError`."""
         headers = {"Accept": "application/x-ndjson"}
         timeout = httpx.Timeout(self.timeout, read=None)
-        with self._translate(), self._http.stream(method, path, json=json, headers=headers,
-                                                  timeout=timeout) as response:
+        with (
+            self._translate(),
+            self._http.stream(method, path, json=json, headers=headers, timeout=timeout) as response,
+        ):
             if response.status_code >= 400:
                 response.read()
                 raise error_for(response.status_code, _message(response))
@@ -141,7 +145,10 @@ class DaemonClient:
         self.request("HEAD", "/")
 
     def version(self) -> str:
-        return str(self._json("GET", "/api/version").get("version", ""))
+        """The daemon's corral version (``corral_version``; ``version`` is the Ollama API version it implements,
+        and the only field an older corral sends)."""
+        body = self._json("GET", "/api/version")
+        return str(body.get("corral_version") or body.get("version", ""))
 
     def tags(self) -> list[dict[str, Any]]:
         models = self._json("GET", "/api/tags").get("models") or []
@@ -172,8 +179,9 @@ class DaemonClient:
             return False
         return True
 
-    def upload_blob(self, digest: Digest | str, path: Path,
-                    progress_callback: Callable[[int], None] | None = None) -> None:
+    def upload_blob(
+        self, digest: Digest | str, path: Path, progress_callback: Callable[[int], None] | None = None
+    ) -> None:
         """Stream ``path`` to ``POST /api/blobs/<digest>``; the daemon verifies the digest before keeping it."""
         d = digest if isinstance(digest, Digest) else Digest.parse(digest)
         size = path.stat().st_size
@@ -186,8 +194,13 @@ class DaemonClient:
                         progress_callback(len(chunk))
 
         timeout = httpx.Timeout(self.timeout, read=None)
-        self.request("POST", f"/api/blobs/{d}", content=body(), timeout=timeout,
-                     headers={"Content-Length": str(size), "Content-Type": "application/octet-stream"})
+        self.request(
+            "POST",
+            f"/api/blobs/{d}",
+            content=body(),
+            timeout=timeout,
+            headers={"Content-Length": str(size), "Content-Type": "application/octet-stream"},
+        )
 
     def create(self, payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """``POST /api/create`` (streaming): the progress objects, ending with ``{"status": "success"}``."""

@@ -35,7 +35,7 @@ NAME_HINT = (
 
 
 def _http_hint(exc: BaseException) -> str | None:
-    status = getattr(exc, "status", None)
+    status = exc.status if isinstance(exc, CorralError) else None
     if status in (401, 403):
         return "the daemon refused the request: check CORRAL_API_KEY and CORRAL_HOST"
     if isinstance(status, int) and status >= 500:

@@ -33,7 +33,7 @@ COMMON_PARAMETERS = [
     ("repeat_penalty", "<float>", "How strongly to penalize repetitions"),
     ("repeat_last_n", "<int>", "Set how far back to look for repetitions"),
     ("num_gpu", "<int>", "The number of layers to send to the GPU"),
-    ("stop", '<string> <string> ...', "Set the stop parameters"),
+    ("stop", "<string> <string> ...", "Set the stop parameters"),
 ]
 
 HELP = """Available Commands:
@@ -91,13 +91,13 @@ class Session:
     messages: list[dict[str, Any]] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
     system: str | None = None
-    format: str | None = None
+    format: str | dict[str, Any] | None = None  # "json" or a JSON schema
     think: bool | str | None = None
     keep_alive: str | None = None
     wordwrap: bool = True
     verbose: bool = False
     hide_thinking: bool = False
-    history: bool = True
+    history: bool = field(default_factory=lambda: not nohistory_env())  # save the prompt history (/set nohistory)
 
     def chat_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "messages": list(self.messages)}
@@ -118,8 +118,15 @@ def history_path() -> Path:
     return Path(os.environ.get("CORRAL_HISTORY") or Path(user_data_dir("corral")) / "history")
 
 
-def readline_reader() -> Callable[[str], str]:
-    """``input()`` with line editing and a persistent history when readline is available."""
+def nohistory_env() -> bool:
+    """``CORRAL_NOHISTORY`` (as ``OLLAMA_NOHISTORY``): start with history saving off."""
+    return os.environ.get("CORRAL_NOHISTORY", "").strip().lower() in ("1", "t", "true", "yes", "on")
+
+
+def readline_reader(saving: Callable[[], bool] = lambda: True) -> Callable[[str], str]:
+    """``input()`` with line editing and a persistent history when readline is available. ``saving()`` says
+    whether the history file is written now (``/set nohistory`` and ``CORRAL_NOHISTORY`` turn it off: lines are
+    still recalled with the arrow keys in this session, as in Ollama, but never reach the file)."""
     try:
         import readline
     except ImportError:  # Windows without pyreadline
@@ -133,6 +140,8 @@ def readline_reader() -> Callable[[str], str]:
 
     def read(prompt: str) -> str:
         line = input(prompt)
+        if not saving():
+            return line
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             readline.write_history_file(path)
@@ -146,10 +155,16 @@ def readline_reader() -> Callable[[str], str]:
 class Repl:
     """The read-eval-print loop over one :class:`DaemonClient`."""
 
-    def __init__(self, client: DaemonClient, session: Session, *, read: Callable[[str], str] | None = None,
-                 out: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        client: DaemonClient,
+        session: Session,
+        *,
+        read: Callable[[str], str] | None = None,
+        out: TextIO | None = None,
+    ) -> None:
         self.client, self.session = client, session
-        self.read = read or readline_reader()
+        self.read = read or readline_reader(lambda: self.session.history)
         self.out = out or sys.stdout
 
     # -- output --------------------------------------------------------------------------------------------
@@ -190,7 +205,7 @@ class Repl:
         if not stripped.startswith('"""') and not stripped.startswith('/set system """'):
             return line
         opener = '/set system """' if stripped.startswith("/set system") else '"""'
-        body = stripped[len(opener):]
+        body = stripped[len(opener) :]
         if body.endswith('"""') and len(body) >= 3:
             return opener.removesuffix('"""') + body[:-3]
         parts = [body]
@@ -242,8 +257,11 @@ class Repl:
             return "exit"
         if name in ("/?", "/help"):
             topic = words[1].lower() if len(words) > 1 else ""
-            self.say({"set": HELP_SET, "show": HELP_SHOW, "shortcut": HELP_SHORTCUTS,
-                      "shortcuts": HELP_SHORTCUTS}.get(topic, HELP))
+            self.say(
+                {"set": HELP_SET, "show": HELP_SHOW, "shortcut": HELP_SHORTCUTS, "shortcuts": HELP_SHORTCUTS}.get(
+                    topic, HELP
+                )
+            )
         elif name == "/clear":
             self.session.messages = [m for m in self.session.messages if m["role"] == "system"]
             self.say("Cleared session context")

@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 
 from cli import output
-from cli.commands import create, listing, manage, ps, run, serve, service, show, version
+from cli.commands import create, listing, manage, ps, run, serve, service, show, transfer, version
 from cli.commands import login as login_cmd
 from cli.commands import registry as registry_cmd
 from cli.errors import render_error
@@ -40,8 +40,10 @@ def _version_callback(value: bool) -> None:
 
 @app.callback()
 def root(
-    show_version: Annotated[bool, typer.Option("--version", "-v", is_eager=True, callback=_version_callback,
-                                               help="Show the version and exit.")] = False,
+    show_version: Annotated[
+        bool,
+        typer.Option("--version", "-v", is_eager=True, callback=_version_callback, help="Show the version and exit."),
+    ] = False,
 ) -> None:
     """corral: run and manage local language models (an Ollama-compatible daemon and its client)."""
 
@@ -61,6 +63,8 @@ app.command("rm")(manage.remove)
 app.command("pull")(registry_cmd.pull)
 app.command("push")(registry_cmd.push)
 app.command("prune")(registry_cmd.prune)
+app.command("export")(transfer.export)
+app.command("import")(transfer.import_)
 app.command("login")(login_cmd.login)
 app.command("logout")(login_cmd.logout)
 app.add_typer(service.app, name="service")
@@ -74,8 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (1 for a reported error, 130 when interrupted)."""
     command = typer.main.get_command(app)
     try:
-        result = command.main(args=list(argv) if argv is not None else None, prog_name="corral",
-                              standalone_mode=False)
+        result = command.main(args=list(argv) if argv is not None else None, prog_name="corral", standalone_mode=False)
     except typer.TyperException as exc:  # usage errors: typer prints them its own way
         show = getattr(exc, "show", None)
         if callable(show):

@@ -12,7 +12,7 @@ import re
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 PAD = "    "
@@ -113,7 +113,7 @@ def parse_time(text: str) -> datetime | None:
         dt = datetime.fromisoformat(_FRACTION.sub(r"\1", text.strip()).replace("Z", "+00:00"))
     except (ValueError, AttributeError):
         return None
-    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+    return dt if dt.tzinfo else dt.replace(tzinfo=UTC)
 
 
 def format_ago(when: datetime | str | None, now: datetime | None = None) -> str:
@@ -122,7 +122,7 @@ def format_ago(when: datetime | str | None, now: datetime | None = None) -> str:
         when = parse_time(when)
     if when is None:
         return "Unknown"
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     delta = (now - when).total_seconds()
     if delta < -20 * 365 * 86400:
         return "Forever"
@@ -165,8 +165,14 @@ class Reporter:
     def __enter__(self) -> Reporter:
         if self.live:
             from rich.console import Console
-            from rich.progress import (BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn,
-                                       TransferSpeedColumn)
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TransferSpeedColumn,
+            )
 
             self._progress = Progress(
                 SpinnerColumn(finished_text=" "),

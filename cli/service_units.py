@@ -59,8 +59,10 @@ OOMPolicy=continue
 
 def _memory_max(memory_max: int | None) -> str:
     if memory_max is None:
-        return ("# MemoryMax= is set by \"corral service install\" to CORRAL_RAM_BUDGET + 2 GiB when a budget is "
-                "set;\n# without one, corral's own budget (free RAM less a reserve) is the limit.\n")
+        return (
+            '# MemoryMax= is set by "corral service install" to CORRAL_RAM_BUDGET + 2 GiB when a budget is '
+            "set;\n# without one, corral's own budget (free RAM less a reserve) is the limit.\n"
+        )
     return f"MemoryMax={memory_max}\n"
 
 
@@ -69,12 +71,13 @@ def system_unit(exec_path: str, *, memory_max: int | None = None, api_key_file: 
     exists (systemd refuses to start a unit whose LoadCredential= source is missing), handed over as a credential
     so it can stay root-only."""
     if api_key_file:
-        credential = (f"LoadCredential=api_key:{api_key_file}\n"
-                      "Environment=CORRAL_API_KEY_FILE=%d/api_key\n")
+        credential = f"LoadCredential=api_key:{api_key_file}\nEnvironment=CORRAL_API_KEY_FILE=%d/api_key\n"
     else:
-        credential = (f"# With {SYSTEM_API_KEY_FILE} present, \"corral service install --system\" adds:\n"
-                      f"#LoadCredential=api_key:{SYSTEM_API_KEY_FILE}\n"
-                      "#Environment=CORRAL_API_KEY_FILE=%d/api_key\n")
+        credential = (
+            f'# With {SYSTEM_API_KEY_FILE} present, "corral service install --system" adds:\n'
+            f"#LoadCredential=api_key:{SYSTEM_API_KEY_FILE}\n"
+            "#Environment=CORRAL_API_KEY_FILE=%d/api_key\n"
+        )
     devices = "".join(f"DeviceAllow={d} rw\n" for d in GPU_DEVICES)
     return f"""[Unit]
 Description=corral local model server
@@ -167,22 +170,24 @@ def env_file() -> str:
 def launchd_plist(exec_path: str, home: Path) -> bytes:
     logs = home / "Library" / "Logs" / "corral"
     limits = {"NumberOfFiles": LAUNCHD_NOFILE}
-    return plistlib.dumps({
-        "Label": LAUNCHD_LABEL,
-        "ProgramArguments": [exec_path, "serve"],
-        "RunAtLoad": True,
-        "KeepAlive": True,
-        # Standard, not Background: launchd throttles a Background job's CPU and I/O, which would slow inference
-        # that a user is waiting for
-        "ProcessType": "Standard",
-        "Umask": 0o077,
-        "SoftResourceLimits": limits,
-        "HardResourceLimits": limits,
-        "ExitTimeOut": 30,
-        "StandardOutPath": str(logs / "corral.log"),
-        "StandardErrorPath": str(logs / "corral.err.log"),
-        "EnvironmentVariables": {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"},
-    })
+    return plistlib.dumps(
+        {
+            "Label": LAUNCHD_LABEL,
+            "ProgramArguments": [exec_path, "serve"],
+            "RunAtLoad": True,
+            "KeepAlive": True,
+            # Standard, not Background: launchd throttles a Background job's CPU and I/O, which would slow inference
+            # that a user is waiting for
+            "ProcessType": "Standard",
+            "Umask": 0o077,
+            "SoftResourceLimits": limits,
+            "HardResourceLimits": limits,
+            "ExitTimeOut": 30,
+            "StandardOutPath": str(logs / "corral.log"),
+            "StandardErrorPath": str(logs / "corral.err.log"),
+            "EnvironmentVariables": {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"},
+        }
+    )
 
 
 # What packaging/ holds: the renderings for the usual install locations.
@@ -195,8 +200,9 @@ def packaging_files() -> dict[str, bytes]:
     return {
         "systemd/corral.service": system_unit(PACKAGED_SYSTEM_EXEC).encode(),
         "systemd/corral-user.service": user_unit(PACKAGED_USER_EXEC).encode(),
-        f"launchd/{LAUNCHD_LABEL}.plist": launchd_plist("/Users/me/.local/share/corral/venv/bin/corral",
-                                                        Path("/Users/me")),
+        f"launchd/{LAUNCHD_LABEL}.plist": launchd_plist(
+            "/Users/me/.local/share/corral/venv/bin/corral", Path("/Users/me")
+        ),
         "corral.env": env_file().encode(),
     }
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -11,16 +13,19 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from daemon import errors
 from daemon.auth import APIKeyGate
-from daemon.disconnect import CancelOnDisconnect
-from daemon.observe import Metrics, Observe
 from daemon.catalog import Catalog
+from daemon.disconnect import CancelOnDisconnect
 from daemon.eviction import Budget
 from daemon.fallback import Fallbacks, machine_fingerprint
 from daemon.inference import Inference
-from daemon.routes import blobs, create, embed, generate, meta, models, ps
-from daemon.routes import registry as registry_routes
+from daemon.observe import Metrics, Observe
 from daemon.routes import anthropic as anthropic_routes
+from daemon.routes import blobs, create, embed, generate, meta, models, ps
 from daemon.routes import openai as openai_routes
+from daemon.routes import registry as registry_routes
+from daemon.routes import rerank as rerank_routes
+from daemon.routes import responses as responses_routes
+from daemon.routes import transfer as transfer_routes
 from daemon.runners.base import LoadSpec, MemoryUse, Runner
 from daemon.scheduler import ModelRef, Scheduler
 from daemon.security import DoorGuard
@@ -43,20 +48,49 @@ def startup_prune(store: Store, settings: Settings) -> None:
     log.info("prune removed_blobs=%d bytes_freed=%d", len(plan.blobs), freed)
 
 
-def default_runner_factory(ref: ModelRef, spec: LoadSpec) -> Runner:
+def default_runner_factory(ref: ModelRef, spec: LoadSpec, *, load_timeout: float | None = None) -> Runner:
+    """A llama.cpp runner process; ``load_timeout``: CORRAL_LOAD_TIMEOUT (None: the runner's default)."""
     from daemon.runners.process import ProcessRunner
 
-    return ProcessRunner(spec)
+    if load_timeout is None:
+        return ProcessRunner(spec)
+    return ProcessRunner(spec, load_timeout=load_timeout)
+
+
+async def preload_models(inference: Inference, names: tuple[str, ...]) -> None:
+    """CORRAL_PRELOAD: load each model as ``/api/generate`` with an empty prompt does (default options and
+    keep-alive), one after another; a model that cannot be loaded is logged and skipped."""
+    from starlette.concurrency import run_in_threadpool
+
+    for name in names:
+        try:
+            ctx = await run_in_threadpool(inference.model, name)
+            embedding = "completion" not in ctx.capabilities and "embedding" in ctx.capabilities
+            spec = inference.load_spec(ctx, inference.options(ctx, None), embedding=embedding)
+            lease = await inference.acquire(ctx, spec, None)
+            lease.release()
+            log.info("preloaded model=%s (CORRAL_PRELOAD)", ctx.name.short())
+        except Exception as exc:  # noqa: BLE001 - a bad name or a failed load never stops the daemon
+            log.warning("CORRAL_PRELOAD: cannot preload model=%s: %s", name, exc)
 
 
 def default_estimator(catalog: Catalog) -> Callable[[ModelRef, LoadSpec], MemoryUse]:
+    """The scheduler's memory estimate of a load (it runs it in a worker thread, off the event loop). The header is
+    read bounded (registry.gguf's limits; at most MAX_LAYERS layers) and without the token list: per-layer arrays
+    (at most MAX_LAYERS long) are all the estimate reads."""
     from daemon.memory import estimate
-    from registry.gguf import read_gguf_file
+    from registry.gguf import MAX_LAYERS, read_gguf_file
 
     def run(ref: ModelRef, spec: LoadSpec) -> MemoryUse:
-        info = read_gguf_file(spec.model_path)
-        est = estimate(info, num_ctx=spec.num_ctx, num_parallel=spec.num_parallel, num_batch=spec.num_batch,
-                       n_gpu_layers=spec.num_gpu, kv_type=spec.kv_cache_type)
+        info = read_gguf_file(spec.model_path, max_array_keep=MAX_LAYERS)
+        est = estimate(
+            info,
+            num_ctx=spec.num_ctx,
+            num_parallel=spec.num_parallel,
+            num_batch=spec.num_batch,
+            n_gpu_layers=spec.num_gpu,
+            kv_type=spec.kv_cache_type,
+        )
         return MemoryUse(ram=est.ram + spec.prompt_cache, vram=est.vram)
 
     return run
@@ -80,13 +114,16 @@ def create_app(
     total_vram = sum(g.total_vram for g in hw.gpus) if hw.gpu_offload else 0  # the GPUs llama.cpp can use
     default_num_ctx = default_context_length(total_vram, settings.context_length)
     scheduler = Scheduler(
-        runner_factory=runner_factory or default_runner_factory,
+        runner_factory=runner_factory or functools.partial(default_runner_factory, load_timeout=settings.load_timeout),
         estimate=estimator or default_estimator(catalog),
         budget=lambda: Budget(ram=the_budgets.ram, vram=the_budgets.vram, max_loaded=settings.max_loaded_models),
         default_keep_alive=settings.keep_alive,
         max_queue=settings.max_queue,
-        fallbacks=Fallbacks(machine=machine_fingerprint(tuple(g.name for g in hw.gpus)),
-                            read=the_store.read_runner_state, write=the_store.write_runner_state),
+        fallbacks=Fallbacks(
+            machine=machine_fingerprint(tuple(g.name for g in hw.gpus)),
+            read=the_store.read_runner_state,
+            write=the_store.write_runner_state,
+        ),
     )
 
     @asynccontextmanager
@@ -94,39 +131,60 @@ def create_app(
         startup_prune(the_store, settings)
         for line in describe(hw, the_budgets):
             log.info("%s", line)
-        log.info("default context length total_vram=%d default_num_ctx=%d source=%s flash_attention=%s "
-                 "kv_cache_type=%s", total_vram, default_num_ctx,
-                 "CORRAL_CONTEXT_LENGTH" if settings.context_length else "automatic", settings.flash_attention,
-                 settings.kv_cache_type)
+        log.info(
+            "default context length total_vram=%d default_num_ctx=%d source=%s flash_attention=%s kv_cache_type=%s",
+            total_vram,
+            default_num_ctx,
+            "CORRAL_CONTEXT_LENGTH" if settings.context_length else "automatic",
+            settings.flash_attention,
+            settings.kv_cache_type,
+        )
         scheduler.start()
         log.info("corral ready version=%s models=%s", VERSION, the_store.root)
+        preloading = (
+            asyncio.ensure_future(preload_models(app.state.inference, settings.preload)) if settings.preload else None
+        )  # in the background: startup does not wait for the loads
         try:
             yield
         finally:
+            if preloading is not None:
+                preloading.cancel()
             log.info("corral shutting down; unloading models")
             await scheduler.close()
 
-    app = FastAPI(title="corral", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="corral", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.settings = settings
     app.state.store = the_store
     app.state.catalog = catalog
     app.state.scheduler = scheduler
     app.state.hardware = hw
-    app.state.budgets_json = {"ram": the_budgets.ram, "vram": the_budgets.vram,
-                              "max_loaded_models": settings.max_loaded_models,
-                              "ram_source": the_budgets.ram_source, "vram_source": the_budgets.vram_source,
-                              "gpus": list(the_budgets.gpu_budgets)}  # VRAM budget per GPU (GPU.index order)
-    app.state.inference = Inference(catalog, scheduler, settings, vram_budget=the_budgets.vram,
-                                    ram_budget=the_budgets.ram,
-                                    physical_cores=hw.physical_cores, default_num_ctx=default_num_ctx,
-                                    gpu_budgets=the_budgets.gpu_budgets)
+    app.state.budgets_json = {
+        "ram": the_budgets.ram,
+        "vram": the_budgets.vram,
+        "max_loaded_models": settings.max_loaded_models,
+        "ram_source": the_budgets.ram_source,
+        "vram_source": the_budgets.vram_source,
+        "gpus": list(the_budgets.gpu_budgets),
+    }  # VRAM budget per GPU (GPU.index order)
+    app.state.inference = Inference(
+        catalog,
+        scheduler,
+        settings,
+        vram_budget=the_budgets.vram,
+        ram_budget=the_budgets.ram,
+        physical_cores=hw.physical_cores,
+        default_num_ctx=default_num_ctx,
+        gpu_budgets=the_budgets.gpu_budgets,
+    )
     errors.install(app)
     for module in (meta, models, blobs, create, generate, embed, ps):
         app.include_router(module.router)
     app.include_router(registry_routes.router)
     app.include_router(openai_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(anthropic_routes.router)
+    app.include_router(transfer_routes.router)
+    app.include_router(rerank_routes.router)
     metrics = Metrics(scheduler)
     app.state.metrics = metrics
 

@@ -22,13 +22,17 @@ def presented_key(headers: dict[str, str]) -> str | None:
 
 
 def unauthorized_body(path: str, missing: bool) -> dict[str, Any]:
-    message = ("an API key is required: send \"Authorization: Bearer <key>\" or \"x-api-key: <key>\""
-               if missing else "invalid API key")
+    message = (
+        'an API key is required: send "Authorization: Bearer <key>" or "x-api-key: <key>"'
+        if missing
+        else "invalid API key"
+    )
     if path.startswith("/v1/messages"):
         return {"type": "error", "error": {"type": "authentication_error", "message": message}}
     if path.startswith("/v1/"):
-        return {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                          "code": "invalid_api_key"}}
+        return {
+            "error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
+        }
     return {"error": message}
 
 
@@ -47,7 +51,15 @@ class APIKeyGate:
             await self.app(scope, receive, send)
             return
         body = json.dumps(unauthorized_body(scope["path"], given is None)).encode()
-        await send({"type": "http.response.start", "status": 401, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b'Bearer realm="corral"')]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b'Bearer realm="corral"'),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
+from daemon.version import OLLAMA_COMPAT_VERSION
 from modelfile import Modelfile, render
-from modelfile.ast import Adapter, From, License, Message, Parameter, System, Template
+from modelfile.ast import Adapter, From, License, Message, Parameter, Parser, Renderer, Requires, System, Template
 from registry.digest import Digest
 from registry.errors import CorralError, InvalidGGUF, InvalidModelName, InvalidRequest, ModelNotFound
 from registry.gguf import GGUFInfo, model_info, read_gguf_header
@@ -37,6 +38,10 @@ from registry.store import Store, StoredModel
 log = logging.getLogger(__name__)
 
 DEFAULT_TEMPLATE = "{{ .Prompt }}"
+_SEMVER = re.compile(
+    r"v?(0|[1-9][0-9]*)(?:\.(0|[1-9][0-9]*))?(?:\.(0|[1-9][0-9]*))?"
+    r"(?:-([0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*))?(?:\+[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?\Z"
+)
 MAX_TEXT_LAYER = 16 * 1024 * 1024
 MAX_CONFIG = 1024 * 1024
 
@@ -49,6 +54,38 @@ def rfc3339(ts: float) -> str:
     offset = dt.strftime("%z")
     zone = "Z" if offset in ("+0000", "-0000") else f"{offset[:3]}:{offset[3:]}"
     return f"{base}{'.' + frac if frac else ''}{zone}"
+
+
+def normalise_requires(value: str) -> str:
+    """A REQUIRES version as Ollama stores it: semver (``1``, ``1.2`` and a leading ``v`` allowed), the ``v``
+    dropped; InvalidRequest otherwise (Ollama's message)."""
+    text = value.strip()
+    if not _SEMVER.match(text):
+        raise InvalidRequest("requires must be a valid semver (e.g. 0.14.0)")
+    return text[1:] if text.startswith("v") else text
+
+
+def _version_key(text: str) -> tuple[Any, ...]:
+    m = _SEMVER.match(text.strip())
+    if m is None:
+        return (0, 0, 0, 1, ())
+    major, minor, patch, pre = m.groups()
+    pre_key = tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in pre.split(".")) if pre else ()
+    return (int(major), int(minor or 0), int(patch or 0), 0 if pre else 1, pre_key)
+
+
+def requires_newer(requires: str, have: str = OLLAMA_COMPAT_VERSION) -> bool:
+    """Whether a REQUIRES version is newer than the Ollama version this corral implements."""
+    return _version_key(requires) > _version_key(have)
+
+
+def check_requires(requires: Any, model: str, *, at: str) -> None:
+    """Refuse (400) a model that requires a newer Ollama than this corral is compatible with."""
+    if isinstance(requires, str) and requires and requires_newer(requires):
+        raise InvalidRequest(
+            f'{at}: model "{model}" requires Ollama {requires} or newer, but this corral is compatible with Ollama '
+            f"{OLLAMA_COMPAT_VERSION}; upgrade corral (or, for a model you build, lower REQUIRES in the Modelfile)"
+        )
 
 
 def go_value(value: Any) -> str:
@@ -64,6 +101,10 @@ class Catalog:
         self.store = store
         self.lock = threading.RLock()
         self._gguf_cache: OrderedDict[Digest, GGUFInfo] = OrderedDict()
+        #: /api/tags' details and capabilities per manifest digest (a manifest names its config and layers by
+        #: digest, so its summary never changes): a listing reads each model's config, template and GGUF header
+        #: once, not on every call. Entries for models no longer listed are dropped at the next listing.
+        self._summaries: dict[Digest, tuple[dict[str, Any], list[str]]] = {}
 
     # -- names -------------------------------------------------------------------------------------------------
     def parse_name(self, raw: str) -> ModelName:
@@ -114,22 +155,78 @@ class Catalog:
         return cfg if isinstance(cfg, dict) else {}
 
     # -- views -------------------------------------------------------------------------------------------------
-    def details(self, manifest: Manifest, *, parent: str = "") -> dict[str, Any]:
-        cfg = self.config(manifest)
+    def details(
+        self,
+        manifest: Manifest,
+        *,
+        parent: str = "",
+        info: GGUFInfo | None = None,
+        cfg: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Ollama's ModelDetails, from the config blob (``cfg`` when the caller has read it already); with the GGUF
+        header ``info``, an unknown quantization and the context and embedding lengths come from it, as in
+        Ollama's model list (``context_length`` and ``embedding_length`` are left out when unknown)."""
+        if cfg is None:
+            cfg = self.config(manifest)
         family = cfg.get("model_family") or ""
         families = cfg.get("model_families")
-        return {
+        quant = cfg.get("file_type") or ""
+        if quant in ("", "unknown") and info is not None and info.file_type_name != "unknown":
+            quant = info.file_type_name
+        out: dict[str, Any] = {
             "parent_model": parent,
             "format": cfg.get("model_format") or "gguf",
             "family": family,
             "families": families if isinstance(families, list) else ([family] if family else None),
             "parameter_size": cfg.get("model_type") or "",
-            "quantization_level": cfg.get("file_type") or "",
+            "quantization_level": quant,
         }
+        for key in ("context_length", "embedding_length"):
+            value = cfg.get(key)
+            if not (isinstance(value, int) and value > 0) and info is not None:
+                value = info.metadata.get(f"{info.architecture}.{key}")
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                out[key] = value
+        return out
+
+    def model_gguf(self, manifest: Manifest, model: str, *, verbose: bool = False) -> GGUFInfo | None:
+        """The header of the model's GGUF layer (None when it has none or it cannot be read)."""
+        layer = manifest.first(MEDIA_MODEL)
+        if layer is None:
+            return None
+        try:
+            return self.gguf(layer.digest, verbose=verbose)
+        except (InvalidGGUF, OSError, CorralError) as exc:
+            log.warning("cannot read GGUF header model=%s error=%s", model, exc)
+            return None
+
+    def summary(self, manifest: Manifest, model: str) -> tuple[dict[str, Any], list[str]]:
+        """A model's details and capabilities, exactly as /api/show computes them, cached per manifest digest."""
+        cached = self._summaries.get(manifest.digest)
+        if cached is not None:
+            return cached
+        cfg = self.config(manifest)
+        info = self.model_gguf(manifest, model)
+        model_layer = manifest.first(MEDIA_MODEL)
+        parent = (model_layer.from_ or "") if model_layer else ""
+        try:
+            template = self.template_text(manifest)
+        except (CorralError, OSError) as exc:
+            log.warning("cannot read the template model=%s error=%s", model, exc)
+            template = None
+        result = (
+            self.details(manifest, parent=parent, info=info, cfg=cfg),
+            self.capabilities(manifest, info, template, cfg=cfg),
+        )
+        self._summaries[manifest.digest] = result
+        return result
 
     def tags(self) -> list[dict[str, Any]]:
         out = []
+        listed: set[Digest] = set()
         for m in self.store.list_models():
+            details, capabilities = self.summary(m.manifest, m.name.short())
+            listed.add(m.manifest.digest)
             out.append(
                 {
                     "name": m.name.short(),
@@ -137,9 +234,12 @@ class Catalog:
                     "modified_at": rfc3339(m.modified_at),
                     "size": m.manifest.size,
                     "digest": m.manifest.digest.hex,
-                    "details": self.details(m.manifest),
+                    "details": dict(details),
+                    "capabilities": list(capabilities),
                 }
             )
+        for digest in [d for d in list(self._summaries) if d not in listed]:
+            self._summaries.pop(digest, None)
         return out
 
     def template_text(self, manifest: Manifest) -> str | None:
@@ -171,7 +271,9 @@ class Catalog:
     def licenses(self, manifest: Manifest) -> list[str]:
         return [self.text(layer.digest) for layer in manifest.layers_of(MEDIA_LICENSE)]
 
-    def capabilities(self, manifest: Manifest, info: GGUFInfo | None, template: str | None) -> list[str]:
+    def capabilities(
+        self, manifest: Manifest, info: GGUFInfo | None, template: str | None, *, cfg: dict[str, Any] | None = None
+    ) -> list[str]:
         caps: list[str] = []
         meta = info.metadata if info else {}
         arch = meta.get("general.architecture", "")
@@ -189,13 +291,14 @@ class Catalog:
             caps.append("vision")
         if "<think>" in tpl or "<think>" in chat_template:
             caps.append("thinking")
-        extra = self.config(manifest).get("capabilities")
+        extra = (self.config(manifest) if cfg is None else cfg).get("capabilities")
         if isinstance(extra, list):
             caps += [c for c in extra if isinstance(c, str) and c not in caps]
         return caps
 
-    def show(self, raw: str, *, verbose: bool = False, system: str | None = None,
-             options: dict[str, Any] | None = None) -> dict[str, Any]:
+    def show(
+        self, raw: str, *, verbose: bool = False, system: str | None = None, options: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         stored = self.get(raw)
         manifest = stored.manifest
         model_layer = manifest.first(MEDIA_MODEL)
@@ -219,7 +322,23 @@ class Catalog:
             "# To build a new Modelfile based on this, replace FROM with:\n"
             f"# FROM {stored.name.short()}\n\n"
         )
-        body = render(self.modelfile(manifest, template, sys_text, params, messages, licenses))
+        cfg = self.config(manifest)
+        requires, renderer, parser = (
+            value if isinstance(value := cfg.get(key), str) else "" for key in ("requires", "renderer", "parser")
+        )
+        body = render(
+            self.modelfile(
+                manifest,
+                template,
+                sys_text,
+                params,
+                messages,
+                licenses,
+                requires=requires,
+                renderer=renderer,
+                parser=parser,
+            )
+        )
         out: dict[str, Any] = {}
         if licenses:
             out["license"] = "\n".join(licenses)
@@ -233,18 +352,46 @@ class Catalog:
         out["template"] = shown_template
         if sys_text:
             out["system"] = sys_text
-        out["details"] = self.details(manifest, parent=(model_layer.from_ or "") if model_layer else "")
+        if renderer:
+            out["renderer"] = renderer
+        if parser:
+            out["parser"] = parser
+        out["details"] = self.details(
+            manifest, parent=(model_layer.from_ or "") if model_layer else "", info=info, cfg=cfg
+        )
         if messages:
             out["messages"] = messages
         out["model_info"] = model_info(info, verbose) if info else {}
         if verbose and info is not None:
             out["tensors"] = [{"name": t.name, "type": t.type_name, "shape": list(t.shape)} for t in info.tensors]
-        out["capabilities"] = self.capabilities(manifest, info, template)
+        out["capabilities"] = self.capabilities(manifest, info, template, cfg=cfg)
         out["modified_at"] = rfc3339(stored.modified_at)
+        if requires:
+            out["requires"] = requires
         return out
 
-    def modelfile(self, manifest: Manifest, template: str | None, system: str | None, params: dict[str, Any],
-                  messages: list[dict[str, str]], licenses: list[str]) -> Modelfile:
+    def requires(self, manifest: Manifest) -> str:
+        """The model's REQUIRES version (its config's ``requires``), or ""."""
+        value = self.config(manifest).get("requires")
+        return value if isinstance(value, str) else ""
+
+    def check_requires(self, manifest: Manifest, model: str) -> None:
+        """Refuse to run a model that requires a newer Ollama than this corral is compatible with."""
+        check_requires(self.requires(manifest), model, at="cannot load the model")
+
+    def modelfile(
+        self,
+        manifest: Manifest,
+        template: str | None,
+        system: str | None,
+        params: dict[str, Any],
+        messages: list[dict[str, str]],
+        licenses: list[str],
+        *,
+        requires: str = "",
+        renderer: str = "",
+        parser: str = "",
+    ) -> Modelfile:
         ins: list[Any] = []
         for layer in manifest.layers:
             if layer.media_type == MEDIA_MODEL:
@@ -257,11 +404,17 @@ class Catalog:
             ins.append(Template(template))
         if system:
             ins.append(System(system))
+        if renderer:  # Ollama's order: after SYSTEM, before the parameters
+            ins.append(Renderer(renderer))
+        if parser:
+            ins.append(Parser(parser))
         for key, value in params.items():
             for v in value if isinstance(value, list) else [value]:
                 ins.append(Parameter(key, v))
         ins += [License(text) for text in licenses]
         ins += [Message(m["role"], m["content"]) for m in messages]
+        if requires:
+            ins.append(Requires(requires))
         return Modelfile(tuple(ins))
 
     # -- mutations ---------------------------------------------------------------------------------------------
@@ -292,5 +445,3 @@ class Catalog:
             removed = self.store.delete(canonical)
         log.info("deleted model=%s blobs_removed=%d", canonical.short(), len(removed))
         return removed
-
-

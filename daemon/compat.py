@@ -12,7 +12,7 @@ import functools
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -51,8 +51,16 @@ _KINDS: dict[str, tuple[type | tuple[type, ...], str]] = {
 }
 
 
-def get(body: dict[str, Any], name: str, kind: str, *, required: bool = False, where: str = "",
-        lo: float | None = None, hi: float | None = None) -> Any:
+def get(
+    body: dict[str, Any],
+    name: str,
+    kind: str,
+    *,
+    required: bool = False,
+    where: str = "",
+    lo: float | None = None,
+    hi: float | None = None,
+) -> Any:
     """``body[name]`` checked against ``kind`` and, for numbers, the range ``lo``..``hi`` (None when absent and
     not required)."""
     value = body.get(name)
@@ -66,16 +74,28 @@ def get(body: dict[str, Any], name: str, kind: str, *, required: bool = False, w
         raise BadParam(param, f"'{param}' must be {words}, got a boolean")
     if not isinstance(value, types):
         raise BadParam(param, f"'{param}' must be {words}, got {_json_type(value)}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        bounds = (f"between {lo:g} and {hi:g}" if lo is not None and hi is not None
-                  else f"at least {lo:g}" if lo is not None else f"at most {hi:g}")
+    number = cast(float, value)  # an int or a float: checked just above
+    if (lo is not None and number < lo) or (hi is not None and number > hi):
+        bounds = (
+            f"between {lo:g} and {hi:g}"
+            if lo is not None and hi is not None
+            else f"at least {lo:g}"
+            if lo is not None
+            else f"at most {hi:g}"
+        )
         raise BadParam(param, f"'{param}' must be {bounds}, got {value}")
     return value
 
 
 def _json_type(value: Any) -> str:
-    return {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
-            dict: "an object"}.get(type(value), type(value).__name__)
+    return {
+        str: "a string",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        list: "an array",
+        dict: "an object",
+    }.get(type(value), type(value).__name__)
 
 
 def stops(value: Any, param: str) -> list[str] | None:
@@ -91,23 +111,35 @@ def stops(value: Any, param: str) -> list[str] | None:
 # -- errors ---------------------------------------------------------------------------------------------------
 def openai_error(exc: BaseException) -> JSONResponse:
     status = status_for(exc)
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            503: "server_error"}.get(status, "api_error")
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 503: "server_error"}.get(
+        status, "api_error"
+    )
     code = "model_not_found" if status == 404 and "model" in str(exc) else None
     if status >= 500:
         log.error("request failed status=%d error=%s", status, exc)
-    return JSONResponse({"error": {"message": str(exc), "type": kind, "param": getattr(exc, "param", None),
-                                   "code": code}}, status_code=status, headers=error_headers(exc, status))
+    return JSONResponse(
+        {"error": {"message": str(exc), "type": kind, "param": getattr(exc, "param", None), "code": code}},
+        status_code=status,
+        headers=error_headers(exc, status),
+    )
 
 
 def anthropic_error(exc: BaseException) -> JSONResponse:
     status = status_for(exc)
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            429: "rate_limit_error", 503: "overloaded_error"}.get(status, "api_error")
+    kind = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        429: "rate_limit_error",
+        503: "overloaded_error",
+    }.get(status, "api_error")
     if status >= 500:
         log.error("request failed status=%d error=%s", status, exc)
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": str(exc)}}, status_code=status,
-                        headers=error_headers(exc, status))
+    return JSONResponse(
+        {"type": "error", "error": {"type": kind, "message": str(exc)}},
+        status_code=status,
+        headers=error_headers(exc, status),
+    )
 
 
 def shaped(shape: Callable[[BaseException], JSONResponse]) -> Callable[[Handler], Handler]:
@@ -132,12 +164,17 @@ def sse_data(obj: Any) -> bytes:
 
 
 def sse_event(event: str, obj: Any) -> bytes:
-    return (f"event: {event}\n".encode() + b"data: " +
-            json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n")
+    return (
+        f"event: {event}\n".encode()
+        + b"data: "
+        + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+        + b"\n\n"
+    )
 
 
-async def first_then(chunks: AsyncIterator[dict[str, Any]]) -> tuple[dict[str, Any] | None,
-                                                                    AsyncIterator[dict[str, Any]]]:
+async def first_then(
+    chunks: AsyncIterator[dict[str, Any]],
+) -> tuple[dict[str, Any] | None, AsyncIterator[dict[str, Any]]]:
     """Pull the first chunk so that an error before any output is still a plain error response."""
     it = chunks.__aiter__()
     try:
@@ -147,8 +184,12 @@ async def first_then(chunks: AsyncIterator[dict[str, Any]]) -> tuple[dict[str, A
     return first, it
 
 
-async def guarded(frames: AsyncGenerator[bytes, None], rest: AsyncIterator[dict[str, Any]],
-                  error_frame: Callable[[str], bytes], tail: bytes = b"") -> AsyncIterator[bytes]:
+async def guarded(
+    frames: AsyncGenerator[bytes, None],
+    rest: AsyncIterator[dict[str, Any]],
+    error_frame: Callable[[str], bytes],
+    tail: bytes = b"",
+) -> AsyncIterator[bytes]:
     """An SSE body around ``frames``: an error once the stream has started becomes ``error_frame(message)``
     (the status line is already sent); the runner stream ``rest`` is closed however it ends, so a client that
     leaves stops generation; ``tail`` (OpenAI's ``data: [DONE]``) ends a stream that was not left."""
@@ -168,5 +209,6 @@ async def guarded(frames: AsyncGenerator[bytes, None], rest: AsyncIterator[dict[
 
 
 def sse_response(body: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )

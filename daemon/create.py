@@ -7,19 +7,25 @@ Layers are written first; the manifest is written last and atomically, so a fail
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import logging
+import os
 import posixpath
-from collections.abc import Iterator
+import secrets
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from daemon.catalog import Catalog
+from daemon.catalog import Catalog, check_requires, normalise_requires
 from daemon.errors import NotSupported
+from daemon.runners.quantize import QUANTIZABLE_SOURCES, SOURCE_ERROR, QuantizeFailed, parse_quant_type, run_worker
 from daemon.schemas import CreateRequest
 from modelfile.params import validate_options
 from registry.digest import Digest
 from registry.errors import InvalidDigest, InvalidGGUF, InvalidRequest, ModelNotFound
-from registry.gguf import GGUFInfo, format_parameter_count
+from registry.gguf import FILE_TYPES, GGUFInfo, format_parameter_count, read_gguf_file
 from registry.manifest import (
     CONFIG_MEDIA_TYPE,
     MEDIA_ADAPTER,
@@ -35,11 +41,24 @@ from registry.manifest import (
     Manifest,
 )
 from registry.names import ModelName
+from registry.store import TEMP_PREFIX
 
 log = logging.getLogger(__name__)
 
 MESSAGE_ROLES = ("system", "user", "assistant")
 SIDE_FILE_SUFFIXES = (".json", ".jinja", ".model", ".txt", ".md")
+QUANT_PROGRESS_DIGEST = "0000000000000000000"  # what Ollama sends as the quantize progress's digest
+
+
+@dataclass(frozen=True)
+class QuantizePlan:
+    """Quantize the model layer ``source`` (file type ``source_type``) to ``type_name`` (as the client spelt it,
+    upper-cased: "Q4_K" stays "Q4_K" in the status, as in Ollama) = LLAMA_FTYPE ``ftype``."""
+
+    source: Layer
+    source_type: str
+    type_name: str
+    ftype: int
 
 
 def check_relative(path: str) -> None:
@@ -70,6 +89,14 @@ class Creator:
         self.catalog = catalog
         self.store = catalog.store
         self.prune = prune
+        self._worker: Any = None  # the quantize worker (subprocess.Popen) while one runs
+
+    def cancel(self) -> None:
+        """The client is gone: kill a running quantize worker now (thread-safe; the create then fails)."""
+        worker = self._worker
+        if worker is not None and worker.poll() is None:
+            with contextlib.suppress(OSError):
+                worker.kill()
 
     def run(self, req: CreateRequest) -> Iterator[dict[str, Any]]:
         """Validate everything first (raising before the first progress line), then write layers and manifest."""
@@ -77,14 +104,11 @@ class Creator:
         return self._execute(*plan)
 
     # -- validation and planning (no writes) -------------------------------------------------------------------
-    def _plan(self, req: CreateRequest) -> tuple[ModelName, list[Layer], list[tuple[str, bytes]], dict[str, Any]]:
+    def _plan(
+        self, req: CreateRequest
+    ) -> tuple[ModelName, list[Layer], list[tuple[str, bytes]], dict[str, Any], QuantizePlan | None]:
         raw_name = req.model_name
         name = ModelName.parse(raw_name)
-        if req.quantize or req.quantization:
-            raise NotSupported(
-                "quantization is not supported by corral yet; create the model from a GGUF that is already "
-                "quantized (for example Q4_K_M) and leave out quantize"
-            )
         base: list[Layer]
         config: dict[str, Any]
         if req.from_:
@@ -93,10 +117,18 @@ class Creator:
             base, config = self._from_files(req.files)
         else:
             raise InvalidRequest("neither 'from' or 'files' was specified")
+        if req.requires:  # REQUIRES: stored in the config (else inherited from FROM's model, as in Ollama)
+            config = {**config, "requires": normalise_requires(req.requires)}
+        check_requires(config.get("requires"), raw_name, at="cannot create the model")
+        for key in ("renderer", "parser"):  # RENDERER/PARSER: config fields, else inherited as REQUIRES is
+            given = getattr(req, key)
+            if given:
+                config = {**config, key: given}
         if req.adapters:
             base = [layer for layer in base if layer.media_type != MEDIA_ADAPTER] + self._adapters(req.adapters)
         if not any(layer.media_type == MEDIA_MODEL for layer in base):
             raise InvalidRequest("the model has no GGUF model layer; FROM must name a GGUF model file or a model")
+        quant = self._quantize_plan(req.quantize or req.quantization or "", base)
 
         layers = list(base)
         new_blobs: list[tuple[str, bytes]] = []  # (media type, bytes) appended in Ollama's order
@@ -131,7 +163,21 @@ class Creator:
             layers = [layer for layer in layers if layer.media_type != MEDIA_MESSAGES]
             doc = [{"role": m.role, "content": m.content} for m in req.messages]
             new_blobs.append((MEDIA_MESSAGES, json.dumps(doc, separators=(",", ":")).encode()))
-        return name, layers, new_blobs, config
+        return name, layers, new_blobs, config, quant
+
+    def _quantize_plan(self, requested: str, base: list[Layer]) -> QuantizePlan | None:
+        """Ollama's checks, before anything is written: a known type (400 listing them), an F16/BF16/F32 source
+        (400). A source already of the requested type is kept as it is."""
+        if not requested:
+            return None
+        type_name, ftype = parse_quant_type(requested)
+        source = next(layer for layer in base if layer.media_type == MEDIA_MODEL)
+        source_type = self._gguf(source.from_ or str(source.digest), source.digest).file_type_name
+        if source_type not in QUANTIZABLE_SOURCES:
+            raise InvalidRequest(SOURCE_ERROR)
+        if source_type == FILE_TYPES[ftype]:
+            return None
+        return QuantizePlan(source, source_type, type_name, ftype)
 
     def _from_model(self, source: str) -> tuple[list[Layer], dict[str, Any]]:
         try:
@@ -143,9 +189,7 @@ class Creator:
                 "(pull it first, or point FROM at a GGUF file)",
             ) from None
         short = stored.name.short()
-        layers = [
-            Layer(l.media_type, l.digest, l.size, from_=short, name=l.name) for l in stored.manifest.layers
-        ]
+        layers = [Layer(la.media_type, la.digest, la.size, from_=short, name=la.name) for la in stored.manifest.layers]
         config = self.catalog.config(stored.manifest)
         return layers, config
 
@@ -205,14 +249,26 @@ class Creator:
         return out
 
     # -- writes ------------------------------------------------------------------------------------------------
-    def _execute(self, name: ModelName, layers: list[Layer], new_blobs: list[tuple[str, bytes]],
-                 config: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    def _execute(
+        self,
+        name: ModelName,
+        layers: list[Layer],
+        new_blobs: list[tuple[str, bytes]],
+        config: dict[str, Any],
+        quant: QuantizePlan | None = None,
+    ) -> Iterator[dict[str, Any]]:
         statuses = []
+        fresh: dict[Digest, str] = {}  # layers made here (the quantized model): their own status
+        if quant is not None:
+            quantized, file_type, existed = yield from self._quantize(quant)
+            layers = [quantized if layer is quant.source else layer for layer in layers]
+            config = {**config, "file_type": file_type}
+            fresh[quantized.digest] = f"{'using existing' if existed else 'creating new'} layer {quantized.digest}"
         with self.catalog.lock:
             final_layers: list[Layer] = []
             for layer in layers:
                 self.store.touch_blob(layer.digest)
-                statuses.append(f"using existing layer {layer.digest}")
+                statuses.append(fresh.get(layer.digest, f"using existing layer {layer.digest}"))
                 final_layers.append(layer)
             for media, data in new_blobs:
                 existed = self.store.has_blob(Digest.of_bytes(data))
@@ -221,7 +277,8 @@ class Creator:
                 final_layers.append(Layer(media, digest, len(data)))
             config = {k: v for k, v in config.items() if k != "rootfs"}
             config.update(
-                architecture="amd64", os="linux",
+                architecture="amd64",
+                os="linux",
                 rootfs={"type": "layers", "diff_ids": [str(layer.digest) for layer in final_layers]},
             )
             config_bytes = json.dumps(config, separators=(",", ":")).encode()
@@ -245,6 +302,61 @@ class Creator:
             yield {"status": "removing unused layers"}
         yield {"status": "success"}
 
+    def _quantize(self, plan: QuantizePlan) -> Generator[dict[str, Any], None, tuple[Layer, str, bool]]:
+        """Quantize the source blob in a worker child process into a temp file in ``blobs/``, verify it (a GGUF of
+        the requested file type), hash it and rename it into place. Yields Ollama's progress objects; returns
+        ``(layer, file type name, blob existed)``. Whatever happens (a failure, the worker killed, the client
+        gone), the temp file is removed: nothing half-written stays in the store."""
+        status = f"quantizing {plan.source_type} model to {plan.type_name}"
+        size = plan.source.size
+        tmp = self.store.blobs_dir / f"{TEMP_PREFIX}{secrets.token_hex(16)}"
+        src = str(self.store.blob_path(plan.source.digest))
+        log.info("quantizing digest=%s from=%s to=%s", plan.source.digest, plan.source_type, plan.type_name)
+        try:
+            yield {"status": status, "digest": QUANT_PROGRESS_DIGEST, "total": size, "completed": 0}
+            last = 0
+            for done, total in run_worker(src, str(tmp), plan.type_name, on_start=self._started):
+                completed = size * min(done, total) // max(total, 1)
+                if completed > last:
+                    last = completed
+                    yield {"status": status, "digest": QUANT_PROGRESS_DIGEST, "total": size, "completed": completed}
+            yield {"status": "verifying conversion"}
+            want = FILE_TYPES[plan.ftype]
+            try:
+                info = read_gguf_file(tmp, keep_arrays=False)
+            except (InvalidGGUF, OSError) as exc:
+                raise QuantizeFailed(f"quantization failed: the result is not a valid GGUF file: {exc}") from None
+            if info.file_type_name != want:
+                raise QuantizeFailed(f"quantization failed: the result has file type {info.file_type_name}, not {want}")
+            digest = _sha256_file(tmp)
+            with self.catalog.lock:
+                existed = self.store.has_blob(digest)
+                if existed:
+                    self.store.touch_blob(digest)
+                else:
+                    os.chmod(tmp, 0o644)
+                    os.replace(tmp, self.store.blob_path(digest))
+            if not existed:
+                self.store.sync_blob(digest)
+            new_size = self.store.blob_size(digest)
+            log.info("quantized digest=%s -> %s size=%d -> %d", plan.source.digest, digest, size, new_size)
+            return Layer(MEDIA_MODEL, digest, new_size), info.file_type_name, existed
+        finally:
+            self._worker = None
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+    def _started(self, proc: Any) -> None:
+        self._worker = proc
+
+
+def _sha256_file(path: Any) -> Digest:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return Digest(h.hexdigest())
+
 
 def media_type_for(info: GGUFInfo) -> str:
     general_type = (info.general_type or "").lower()
@@ -252,8 +364,10 @@ def media_type_for(info: GGUFInfo) -> str:
         return MEDIA_ADAPTER
     meta = info.metadata
     arch = info.architecture or ""
-    if general_type in ("projector", "mmproj") or arch == "clip" or (
-        "vision.block_count" in meta and f"{arch}.block_count" not in meta
+    if (
+        general_type in ("projector", "mmproj")
+        or arch == "clip"
+        or ("vision.block_count" in meta and f"{arch}.block_count" not in meta)
     ):
         return MEDIA_PROJECTOR
     return MEDIA_MODEL

@@ -45,9 +45,9 @@ STATUS_TABLE: list[tuple[type[BaseException], int]] = [
 
 
 def status_for(exc: BaseException) -> int:
-    status = getattr(exc, "status", None)
-    if isinstance(status, int):
-        return status
+    """The error's own ``status`` (its type's, or the one it was constructed with), else the table's."""
+    if isinstance(exc, CorralError) and exc.status is not None:
+        return exc.status
     for kind, code in STATUS_TABLE:
         if isinstance(exc, kind):
             return code

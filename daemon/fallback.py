@@ -52,11 +52,15 @@ def fault_class(sig: int | None) -> str:
     """What kind of llama.cpp failure a runner's death by ``sig`` is, in words a user can search for."""
     name = signal_name(sig) if sig else ""
     if name in ("SIGSEGV", "SIGBUS"):
-        return ("a memory fault in llama.cpp's native kernels (the class of llama.cpp's CPU-backend crashes, "
-                "such as its AMX kernels on some Intel CPUs: llama.cpp issue 20824, Ollama issue 17006)")
+        return (
+            "a memory fault in llama.cpp's native kernels (the class of llama.cpp's CPU-backend crashes, "
+            "such as its AMX kernels on some Intel CPUs: llama.cpp issue 20824, Ollama issue 17006)"
+        )
     if name == "SIGILL":
-        return ("an illegal instruction: this llama-cpp-python was built for instructions this CPU lacks "
-                "(reinstall it with CMAKE_ARGS=\"-DGGML_NATIVE=off\")")
+        return (
+            "an illegal instruction: this llama-cpp-python was built for instructions this CPU lacks "
+            '(reinstall it with CMAKE_ARGS="-DGGML_NATIVE=off")'
+        )
     if name == "SIGABRT":
         return "llama.cpp aborted (a failed GGML_ASSERT: a model file or setting it does not support)"
     if name == "SIGFPE":
@@ -141,8 +145,9 @@ class _Overrides:
         if not self.extra_bufts and out.extra_bufts:
             out = dataclasses.replace(out, extra_bufts=False)
         if self.max_gpu_layers is not None and (out.num_gpu < 0 or out.num_gpu > self.max_gpu_layers):
-            out = dataclasses.replace(out, num_gpu=self.max_gpu_layers,
-                                      tensor_split=out.tensor_split if self.max_gpu_layers else ())
+            out = dataclasses.replace(
+                out, num_gpu=self.max_gpu_layers, tensor_split=out.tensor_split if self.max_gpu_layers else ()
+            )
         return out
 
 
@@ -188,7 +193,9 @@ class Fallbacks:
                     self._remembered[key] = _Overrides(
                         extra_bufts=bool(value.get("extra_bufts", True)),
                         max_gpu_layers=int(gpu) if isinstance(gpu, int) and gpu >= 0 else None,
-                        reason=str(value.get("reason", ""))[:500], at=float(value.get("at", 0) or 0))
+                        reason=str(value.get("reason", ""))[:500],
+                        at=float(value.get("at", 0) or 0),
+                    )
         except (ValueError, TypeError, AttributeError) as exc:
             log.warning("ignoring unreadable runner state: %s", exc)
 
@@ -196,8 +203,10 @@ class Fallbacks:
         if self.write is None:
             return
         items = sorted(self._remembered.items(), key=lambda kv: -kv[1].at)[:MAX_REMEMBERED]
-        runners = {k: {"extra_bufts": v.extra_bufts, "max_gpu_layers": v.max_gpu_layers, "reason": v.reason,
-                       "at": v.at} for k, v in items}
+        runners = {
+            k: {"extra_bufts": v.extra_bufts, "max_gpu_layers": v.max_gpu_layers, "reason": v.reason, "at": v.at}
+            for k, v in items
+        }
         try:
             self.write(json.dumps({"version": 1, "runners": runners}, indent=1, sort_keys=True).encode())
         except Exception as exc:  # noqa: BLE001 - remembering is an optimisation; serving goes on
@@ -229,14 +238,16 @@ class Fallbacks:
         key = self._key(weights)
         old = self._remembered.get(key)
         fewer = used.num_gpu != requested.num_gpu
-        new = _Overrides(extra_bufts=used.extra_bufts,
-                         max_gpu_layers=used.num_gpu if fewer else (old.max_gpu_layers if old else None),
-                         reason=reason, at=self.wall())
+        new = _Overrides(
+            extra_bufts=used.extra_bufts,
+            max_gpu_layers=used.num_gpu if fewer else (old.max_gpu_layers if old else None),
+            reason=reason,
+            at=self.wall(),
+        )
         if old is not None and (old.extra_bufts, old.max_gpu_layers) == (new.extra_bufts, new.max_gpu_layers):
             return
         self._remembered[key] = new
-        log.warning("runner configuration chosen model=%s config=\"%s\" after=\"%s\"", weights, describe(used),
-                    reason)
+        log.warning('runner configuration chosen model=%s config="%s" after="%s"', weights, describe(used), reason)
         self._save_state()
 
     def remembered(self) -> list[dict[str, Any]]:
@@ -247,9 +258,15 @@ class Fallbacks:
             weights, _, machine = key.rpartition("@")
             if machine != self.machine:
                 continue
-            out.append({"model_file": weights, "extra_buffer_types": v.extra_bufts,
-                        "max_gpu_layers": v.max_gpu_layers, "reason": v.reason,
-                        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(v.at)) if v.at else ""})
+            out.append(
+                {
+                    "model_file": weights,
+                    "extra_buffer_types": v.extra_bufts,
+                    "max_gpu_layers": v.max_gpu_layers,
+                    "reason": v.reason,
+                    "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(v.at)) if v.at else "",
+                }
+            )
         return out
 
     # -- crashes -----------------------------------------------------------------------------------------------
@@ -270,9 +287,11 @@ class Fallbacks:
         weights = weights_key(spec)
         tries = "; ".join(f"{describe(s)}: {w}" for s, w in self._failed.get(weights, {}).items())
         delay = self._backoff(weights)
-        message = (f"model '{name}' crashed llama.cpp in every configuration corral tried ({tries}): "
-                   f"{fault_class(sig)}. corral will not load it again for {delay:.0f}s; the daemon log has "
-                   f"llama.cpp's output. Try another quantization of the model, or update llama-cpp-python")
+        message = (
+            f"model '{name}' crashed llama.cpp in every configuration corral tried ({tries}): "
+            f"{fault_class(sig)}. corral will not load it again for {delay:.0f}s; the daemon log has "
+            f"llama.cpp's output. Try another quantization of the model, or update llama-cpp-python"
+        )
         self._block(weights, delay, message)
         self._failed.pop(weights, None)  # after the backoff, the whole ladder is tried again
         return RunnerUnusable(message)
@@ -286,9 +305,11 @@ class Fallbacks:
         if len(times) >= LOOP_CRASHES:
             delay = self._backoff(weights)
             self._late.pop(weights, None)
-            message = (f"model '{name}' crashed {len(times)} times in {LOOP_WINDOW / 60:.0f} minutes (last: {what}): "
-                       f"{fault_class(sig)}. corral will not load it again for {delay:.0f}s; the daemon log has "
-                       f"llama.cpp's output")
+            message = (
+                f"model '{name}' crashed {len(times)} times in {LOOP_WINDOW / 60:.0f} minutes (last: {what}): "
+                f"{fault_class(sig)}. corral will not load it again for {delay:.0f}s; the daemon log has "
+                f"llama.cpp's output"
+            )
             log.warning("crash loop model=%s crashes=%d backoff=%.0fs", weights, len(times), delay)
             self._block(weights, delay, message)
 

@@ -9,7 +9,12 @@ toTypeScriptType``. ``define``/``template``/``block`` are not supported.
 Data are plain Python values (a ``dict`` is a Go map, a ``list`` a slice) plus :class:`Struct`. A value with a
 ``go_string()`` method prints through it (Go's ``fmt.Stringer``); one with ``go_json()`` marshals through it.
 Like Ollama's ``missingkey=zero`` a missing field is nil and prints ``<no value>``; it never raises.
-Execution is bounded (steps and output size) so a hostile template cannot hang or exhaust the daemon.
+
+A hostile template cannot hang or exhaust the daemon: the source is at most :data:`MAX_SOURCE` characters, and
+an execution (see :class:`Budget`) is bounded in steps, in output characters, in the bytes of the values its
+functions build (strings from ``print``/``printf``/``json``/``slice``..., estimated before they are built so no
+single call can allocate past the bound) and in wall-clock time, checked at every step. Each bound raises a
+:class:`TemplateError` that names it.
 """
 
 from __future__ import annotations
@@ -17,17 +22,23 @@ from __future__ import annotations
 import base64
 import datetime as _dt
 import re
+import sys
+import time
 from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 
 from registry.errors import InvalidRequest
 
-__all__ = ["TemplateError", "Template", "Struct", "parse", "go_json", "go_print"]
+__all__ = ["TemplateError", "Template", "Struct", "Budget", "parse", "go_json", "go_print"]
 
+MAX_SOURCE = 128 * 1024  # characters of template text (Ollama's own templates are a few KiB)
 MAX_STEPS = 1_000_000
-MAX_OUTPUT = 16 * 1024 * 1024
+MAX_OUTPUT = 16 * 1024 * 1024  # characters of output
+MAX_ALLOC = 64 * 1024 * 1024  # bytes of values built by functions during one execution
+MAX_SECONDS = 2.0
 MAX_DEPTH = 100
+_MiB = 1024 * 1024
 _SPACE = " \t\r\n"
 _KEYWORDS = {"if", "else", "end", "range", "with", "break", "continue", "nil", "define", "template", "block"}
 
@@ -64,7 +75,8 @@ class _Tok:
 
 _ESC = {"a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v", "\\": "\\", "'": "'", '"': '"'}
 _ESC_RE = re.compile(r"\\(?:([abfnrtv\\'\"])|x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|([0-7]{3})|.)")
-_ACTION_RE = re.compile(r"""
+_ACTION_RE = re.compile(
+    r"""
     (?P<close>[ \t\r\n]-\}\}|\}\})
   | (?P<space>[ \t\r\n]+?(?=[ \t\r\n]-\}\}|[^ \t\r\n]|\Z))
   | (?P<string>"(?:[^"\\\n]|\\.)*")
@@ -76,9 +88,14 @@ _ACTION_RE = re.compile(r"""
   | (?P<dot>\.)
   | (?P<ident>\w+)
   | (?P<op>:=|[|(),=])
-""", re.X)
-_UNTERMINATED = {'"': "unterminated quoted string", "'": "unterminated character constant",
-                 "`": "unterminated raw quoted string"}
+""",
+    re.X,
+)
+_UNTERMINATED = {
+    '"': "unterminated quoted string",
+    "'": "unterminated character constant",
+    "`": "unterminated raw quoted string",
+}
 
 
 def _position(src: str, pos: int) -> str:
@@ -201,7 +218,7 @@ class _Parser:
             return "EOF"
         if t.kind == "kw":
             return f"<{t.val}>"
-        raw = "}}" if t.kind == "}}" else self.src[t.pos:t.end]
+        raw = "}}" if t.kind == "}}" else self.src[t.pos : t.end]
         raw = raw if len(raw) <= 20 else raw[:20] + "..."
         return '"' + raw.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
@@ -288,8 +305,12 @@ class _Parser:
             names, ahead = [start.val], 1
             if self.peek(1).kind == ",":
                 if context != "range" or self.peek(2).kind != "var" or self.peek(3).kind not in (":=", "="):
-                    raise self.error(self.peek(1), "range can only initialize variables" if context == "range"
-                                     else f"too many declarations in {context}")
+                    raise self.error(
+                        self.peek(1),
+                        "range can only initialize variables"
+                        if context == "range"
+                        else f"too many declarations in {context}",
+                    )
                 names, ahead = [start.val, self.peek(2).val], 3
             if self.peek(ahead).kind in (":=", "="):
                 decl, is_assign = names, self.peek(ahead).kind == "="
@@ -298,8 +319,10 @@ class _Parser:
                     self.vars.extend(decl)
         cmds: list[tuple] = []
         while (t := self.peek()).kind != end:
-            if t.kind not in ("field", "var", "ident", "dot", "string", "number", "bool", "(") and (
-                    t.kind, t.val) != ("kw", "nil"):
+            if t.kind not in ("field", "var", "ident", "dot", "string", "number", "bool", "(") and (t.kind, t.val) != (
+                "kw",
+                "nil",
+            ):
                 raise self.error(t, f"unexpected {self.desc(t)} in {context}")
             cmds.append(self.command(end))
             if self.peek().kind == "|":
@@ -431,12 +454,12 @@ def go_print(v: Any) -> str:
     return "<no value>" if v is None else _fmt(v)
 
 
-def _sorted_keys(d: dict) -> list:  # type: ignore[type-arg]
+def _sorted_keys(d: dict) -> list:
     """Go ranges over and prints maps in key order."""
     return sorted(d, key=lambda k: (not isinstance(k, (int, float)), k if isinstance(k, (int, float)) else str(k)))
 
 
-_JSON_ESC = re.compile("[\x00-\x1f\"\\\\<>&\u2028\u2029\ud800-\udfff]")
+_JSON_ESC = re.compile('[\x00-\x1f"\\\\<>&\u2028\u2029\ud800-\udfff]')
 _JSON_SHORT = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\b": "\\b", "\f": "\\f"}
 
 
@@ -492,8 +515,50 @@ def _gotype(v: Any) -> str:
     if v is None:
         return "<nil>"
     return {bool: "bool", int: "int", float: "float64", str: "string"}.get(type(v)) or (
-        "[]interface {}" if isinstance(v, (list, tuple)) else
-        "map[string]interface {}" if isinstance(v, dict) else "struct" if isinstance(v, Struct) else type(v).__name__)
+        "[]interface {}"
+        if isinstance(v, (list, tuple))
+        else "map[string]interface {}"
+        if isinstance(v, dict)
+        else "struct"
+        if isinstance(v, Struct)
+        else type(v).__name__
+    )
+
+
+def _size(v: Any, cap: int, json: bool = False) -> int:
+    """About how many characters printing (or with ``json``, marshalling) ``v`` writes, counted only until it
+    passes ``cap`` (shared values are walked once). For JSON a string with anything to escape counts six characters
+    per character, the most an escape takes."""
+    seen: dict[int, int] = {}
+
+    def walk(x: Any) -> int:
+        if isinstance(x, str):
+            return len(x) * (6 if json and _JSON_ESC.search(x) else 1) + 2
+        if x is None or isinstance(x, (bool, int, float)):
+            return 24
+        if isinstance(x, (bytes, bytearray)):
+            return 2 * len(x) + 2
+        key = id(x)
+        if key in seen:
+            return seen[key]
+        seen[key] = 0  # a cycle counts nothing more
+        n = 2
+        if isinstance(x, Struct):
+            items: Any = list(x.fields.values()) + ([x.json] if x.json is not None else [])
+        elif isinstance(x, dict):
+            items = [*x.keys(), *x.values()]
+        elif isinstance(x, (list, tuple)):
+            items = x
+        else:
+            items = [str(x)] if not hasattr(x, "go_json") else [x.go_json()]
+        for item in items:
+            n += walk(item) + 1
+            if n > cap:
+                break
+        seen[key] = n
+        return n
+
+    return walk(v)
 
 
 # ---------------------------------------------------------------------------------------------------------- functions
@@ -532,6 +597,7 @@ def _ordered(op: Callable[[Any, Any], bool]) -> Callable[[Any, Any], bool]:
         if ka != kb:
             raise _FuncError("incompatible types for comparison")
         return op(a, b)
+
     return cmp
 
 
@@ -539,7 +605,7 @@ def _len(v: Any) -> int:
     if v is None:
         return 0
     if isinstance(v, str):
-        return len(v.encode("utf-8", "surrogatepass"))
+        return len(v) if v.isascii() else len(v.encode("utf-8", "surrogatepass"))
     if isinstance(v, (list, tuple, dict, bytes)):
         return len(v)
     raise _FuncError(f"len of type {_gotype(v)}")
@@ -559,6 +625,8 @@ def _index(v: Any, *idx: Any) -> Any:
             return None
         if isinstance(v, dict):
             v = v.get(i)
+        elif isinstance(v, str) and v.isascii():
+            v = ord(v[_int_index(i, len(v), len(v) - 1)])
         elif isinstance(v, (list, tuple, str, bytes)):
             seq = v.encode() if isinstance(v, str) else v
             v = seq[_int_index(i, len(seq), len(seq) - 1)]
@@ -571,7 +639,7 @@ def _slice(v: Any, *idx: Any) -> Any:
     if isinstance(v, str):
         if len(idx) > 2:
             raise _FuncError("cannot 3-index slice a string")
-        seq: Any = v.encode("utf-8", "surrogatepass")
+        seq: Any = v if v.isascii() else v.encode("utf-8", "surrogatepass")
     elif isinstance(v, (list, tuple)):
         seq = v
     else:
@@ -582,7 +650,9 @@ def _slice(v: Any, *idx: Any) -> Any:
     for a, b in zip(ix, ix[1:], strict=False):
         if a > b:
             raise _FuncError(f"invalid slice index: {a} > {b}")
-    out = seq[ix[0] if ix else 0:ix[1] if len(ix) > 1 else len(seq)]
+    out = seq[ix[0] if ix else 0 : ix[1] if len(ix) > 1 else len(seq)]
+    if isinstance(out, str):
+        return out
     return out.decode("utf-8", "replace") if isinstance(v, str) else list(out)
 
 
@@ -601,7 +671,7 @@ _VERB_RE = re.compile(r"%([-+# 0]*)(\d+)?(?:\.(\d*))?(.)", re.S)
 def _go_quote(s: str) -> str:
     out = ['"']
     for c in s:
-        if c in "\"\\":
+        if c in '"\\':
             out.append("\\" + c)
         elif c in "\a\b\f\n\r\t\v":
             out.append("\\" + "abfnrtv"["\a\b\f\n\r\t\v".index(c)])
@@ -614,13 +684,23 @@ def _go_quote(s: str) -> str:
     return "".join(out) + '"'
 
 
-def _printf(fmt: str, *args: Any) -> str:
+def _printf(fmt: str, *args: Any, limit: int = MAX_OUTPUT) -> str:
     if not isinstance(fmt, str):
         raise _FuncError(f"printf: format must be a string, not {_gotype(fmt)}")
     out: list[str] = []
-    pos = argi = 0
+    pos = argi = total = counted = 0
+
+    def room(more: int) -> None:  # raise before building what would take the result past ``limit``
+        nonlocal total, counted
+        while counted < len(out):
+            total += len(out[counted])
+            counted += 1
+        if total + more > limit:
+            raise _FuncError(f"result larger than {limit} characters")
+
     for m in _VERB_RE.finditer(fmt):
-        out.append(fmt[pos:m.start()])
+        room(m.start() - pos)
+        out.append(fmt[pos : m.start()])
         pos = m.end()
         flags, width, prec, verb = m.group(1), m.group(2), m.group(3), m.group(4)
         if verb == "%":
@@ -633,18 +713,21 @@ def _printf(fmt: str, *args: Any) -> str:
         argi += 1
         if int(width or 0) > 1 << 16 or int(prec or 0) > 1 << 16:
             raise _FuncError("printf: width or precision too large")
+        # the most this verb can write: quoting can take 10 characters per character, hex 8
+        factor = 10 if verb == "q" else 8 if verb in "xX" else 1
+        room(int(width or 0) + factor * _size(a, limit - total + 1) + 32)
         num = isinstance(a, (int, float)) and not isinstance(a, bool)
         p = f".{prec or 0}" if prec is not None else ""
         s: str | None = None
         if verb == "v" or (verb == "s" and (isinstance(a, (str, list, tuple, dict)) or hasattr(a, "go_string"))):
             s = _fmt(a)
-            s = s[:int(prec or 0)] if prec is not None and verb == "s" else s
+            s = s[: int(prec or 0)] if prec is not None and verb == "s" else s
         elif verb == "d" and isinstance(a, int) and not isinstance(a, bool):
             s = format(a, "+d" if "+" in flags else "d")
         elif verb in "feEgG" and num:
             s = format(float(a), ("+" if "+" in flags else "") + (p or (".6" if verb in "feE" else "")) + verb)
         elif verb == "q" and (isinstance(a, str) or (isinstance(a, int) and not isinstance(a, bool))):
-            s = _go_quote(a) if isinstance(a, str) else "'" + _go_quote(chr(a))[1:-1].replace("\\\"", '"') + "'"
+            s = _go_quote(a) if isinstance(a, str) else "'" + _go_quote(chr(a))[1:-1].replace('\\"', '"') + "'"
         elif verb == "t" and isinstance(a, bool):
             s = _fmt(a)
         elif verb in "xX" and (isinstance(a, str) or (isinstance(a, int) and not isinstance(a, bool))):
@@ -661,10 +744,11 @@ def _printf(fmt: str, *args: Any) -> str:
                 s = s.ljust(w)
             elif "0" in flags and num:
                 sign = s[0] if s[:1] in "+-" else ""
-                s = sign + s[len(sign):].rjust(w - len(sign), "0")
+                s = sign + s[len(sign) :].rjust(w - len(sign), "0")
             else:
                 s = s.rjust(w)
         out.append(s)
+    room(len(fmt) - pos + sum(_size(a, limit) + 32 for a in args[argi:]))
     out.append(fmt[pos:])
     if argi < len(args):
         out.append("%!(EXTRA " + ", ".join(f"{_gotype(a)}={_fmt(a)}" for a in args[argi:]) + ")")
@@ -678,8 +762,15 @@ def _json_func(v: Any) -> str:
         return ""  # Ollama's json helper ignores marshal errors
 
 
-_TS = {"string": "string", "number": "number", "integer": "number", "boolean": "boolean", "array": "any[]",
-       "object": "Record<string, any>", "null": "null"}
+_TS = {
+    "string": "string",
+    "number": "number",
+    "integer": "number",
+    "boolean": "boolean",
+    "array": "any[]",
+    "object": "Record<string, any>",
+    "null": "null",
+}
 
 
 def _ts_type(v: Any) -> str:
@@ -704,16 +795,29 @@ def _date(days: int) -> Callable[..., str]:
 
 # name -> (function, min args, max args or None)
 _FUNCS: dict[str, tuple[Callable[..., Any] | None, int, int | None]] = {
-    "and": (None, 1, None), "or": (None, 1, None), "not": (lambda a: not _truth(a), 1, 1),
-    "eq": (_eq, 1, None), "ne": (lambda a, b: not _eq(a, b), 2, 2),
-    "lt": (_ordered(lambda a, b: a < b), 2, 2), "le": (_ordered(lambda a, b: a <= b), 2, 2),
-    "gt": (_ordered(lambda a, b: a > b), 2, 2), "ge": (_ordered(lambda a, b: a >= b), 2, 2),
-    "len": (_len, 1, 1), "index": (_index, 1, None), "slice": (_slice, 1, None),
-    "print": (_sprint, 0, None), "printf": (_printf, 1, None),
+    "and": (None, 1, None),
+    "or": (None, 1, None),
+    "not": (lambda a: not _truth(a), 1, 1),
+    "eq": (_eq, 1, None),
+    "ne": (lambda a, b: not _eq(a, b), 2, 2),
+    "lt": (_ordered(lambda a, b: a < b), 2, 2),
+    "le": (_ordered(lambda a, b: a <= b), 2, 2),
+    "gt": (_ordered(lambda a, b: a > b), 2, 2),
+    "ge": (_ordered(lambda a, b: a >= b), 2, 2),
+    "len": (_len, 1, 1),
+    "index": (_index, 1, None),
+    "slice": (_slice, 1, None),
+    "print": (_sprint, 0, None),
+    "printf": (_printf, 1, None),
     "println": (lambda *a: " ".join(map(_fmt, a)) + "\n", 0, None),
-    "json": (_json_func, 1, 1), "currentDate": (_date(0), 0, None), "yesterdayDate": (_date(1), 0, None),
+    "json": (_json_func, 1, 1),
+    "currentDate": (_date(0), 0, None),
+    "yesterdayDate": (_date(1), 0, None),
     "toTypeScriptType": (_ts_type, 1, 1),
 }
+
+# functions whose result can be much larger than their template text: estimated before they run
+_BUILDERS = frozenset({"print", "printf", "println", "json"})
 
 # ---------------------------------------------------------------------------------------------------------- exec
 
@@ -728,33 +832,79 @@ class _Continue(Exception):
     pass
 
 
+class Budget:
+    """What one execution, or several in turn (Ollama's legacy templates run once per turn), may use: steps,
+    output characters, bytes of values built by functions, and wall-clock seconds from when the budget was made.
+    The ``*_used`` counters say what has been used so far."""
+
+    __slots__ = (
+        "max_steps",
+        "max_output",
+        "max_alloc",
+        "timeout",
+        "deadline",
+        "steps_used",
+        "output_used",
+        "alloc_used",
+    )
+
+    def __init__(
+        self,
+        *,
+        max_steps: int = MAX_STEPS,
+        max_output: int = MAX_OUTPUT,
+        max_alloc: int = MAX_ALLOC,
+        timeout: float = MAX_SECONDS,
+    ) -> None:
+        self.max_steps, self.max_output, self.max_alloc, self.timeout = max_steps, max_output, max_alloc, timeout
+        self.deadline = time.monotonic() + timeout
+        self.steps_used = self.output_used = self.alloc_used = 0
+
+
 class _Exec:
-    def __init__(self, src: str, data: Any, max_steps: int, max_output: int) -> None:
+    def __init__(self, src: str, data: Any, budget: Budget) -> None:
         self.src, self.vars = src, [("$", data)]
-        self.steps, self.max_steps, self.max_output = 0, max_steps, max_output
+        self.b = budget
+        self.max_output = budget.max_output
         self.out: list[str] = []
-        self.size = 0
 
     def error(self, pos: int, msg: str, at: str = "") -> TemplateError:
         where = f"executing at <{at}>: " if at else ""
         return TemplateError(f"template: {_position(self.src, pos)}: {where}{msg}")
 
     def tick(self, pos: int) -> None:
-        self.steps += 1
-        if self.steps > self.max_steps:
-            raise self.error(pos, f"template execution exceeded {self.max_steps} steps")
+        b = self.b
+        b.steps_used += 1
+        if b.steps_used > b.max_steps:
+            raise self.error(pos, f"template execution exceeded {b.max_steps} steps")
+        if time.monotonic() > b.deadline:
+            raise self.error(
+                pos, f"template execution took longer than {b.timeout:g}s; use a simpler template or a shorter prompt"
+            )
+
+    def charge(self, nbytes: int, pos: int, at: str) -> None:
+        b = self.b
+        b.alloc_used += nbytes
+        if b.alloc_used > b.max_alloc:
+            raise self.error(
+                pos,
+                f"template execution used more than {b.max_alloc // _MiB} MiB of memory for the "
+                "values its functions built; use a simpler template or a shorter prompt",
+                at,
+            )
 
     def write(self, s: str, pos: int) -> None:
-        self.size += len(s)
-        if self.size > self.max_output:
-            raise self.error(pos, f"template output exceeded {self.max_output} characters")
+        b = self.b
+        b.output_used += len(s)
+        if b.output_used > b.max_output:
+            raise self.error(pos, f"template output exceeded {b.max_output} characters")
         self.out.append(s)
 
     def walk(self, dot: Any, nodes: list[tuple]) -> None:
         for n in nodes:
             kind = n[0]
             if kind == "text":
-                self.steps += 1
+                self.b.steps_used += 1
                 self.write(n[1], 0)
                 continue
             self.tick(n[1])
@@ -847,19 +997,22 @@ class _Exec:
     def command(self, dot: Any, cmd: tuple, final: Any) -> Any:
         self.tick(cmd[1])
         first, args = cmd[3][0], cmd[3][1:]
-        at = self.src[cmd[1]:cmd[2]]
+        at = self.src[cmd[1] : cmd[2]]
         kind = first[0]
         if kind == "ident":
             return self.call(dot, first[2], args, final, cmd[1], at)
         has_args = bool(args) or final is not _NOFINAL
         if kind in ("field", "var", "chain") and first[-1]:
-            recv = (dot if kind == "field" else self.var(first[2], first[1]) if kind == "var"
-                    else self.arg(dot, first[2]))
+            recv = (
+                dot if kind == "field" else self.var(first[2], first[1]) if kind == "var" else self.arg(dot, first[2])
+            )
             return self.fields(recv, first[-1], has_args, first[1], at)
         if kind == "nil":
             raise self.error(cmd[1], "nil is not a command", at)
         if has_args:
-            raise self.error(cmd[1], f"can't give argument to non-function {self.src[first[1]:cmd[2]].split()[0]}", at)
+            raise self.error(
+                cmd[1], f"can't give argument to non-function {self.src[first[1] : cmd[2]].split()[0]}", at
+            )
         return self.arg(dot, first)
 
     def fields(self, recv: Any, idents: tuple, has_args: bool, pos: int, at: str) -> Any:
@@ -908,14 +1061,24 @@ class _Exec:
         vals = [self.arg(dot, a) for a in args]
         if final is not _NOFINAL:
             vals.append(final)
+        limit = self.max_output
+        if name in _BUILDERS:  # what it would build, estimated before it is built
+            room = min(limit, self.b.max_alloc - self.b.alloc_used)
+            vs = vals[1:] if name == "printf" else vals
+            if sum(_size(v, room + 1, json=name == "json") for v in vs) > room:
+                if room < limit:
+                    self.charge(room + 1, pos, at)
+                raise self.error(pos, f"error calling {name}: result too large", at)
         try:
-            result = fn(*vals)
+            result = fn(*vals, limit=limit) if name == "printf" else fn(*vals)
         except _FuncError as e:
             raise self.error(pos, f"error calling {name}: {e}", at) from None
         except (ValueError, TypeError, OverflowError, MemoryError) as e:
             raise self.error(pos, f"error calling {name}: {e}", at) from None
-        if isinstance(result, str) and len(result) > self.max_output:
-            raise self.error(pos, f"error calling {name}: result too large", at)
+        if isinstance(result, (str, bytes, list)) and not any(result is v for v in vals):
+            if isinstance(result, str) and len(result) > limit:
+                raise self.error(pos, f"error calling {name}: result too large", at)
+            self.charge(sys.getsizeof(result), pos, at)
         return result
 
 
@@ -929,18 +1092,26 @@ class Template:
         self.src, self.root = src, root
         self._identifiers: set[str] | None = None
 
-    def execute(self, data: Any, *, max_steps: int = MAX_STEPS, max_output: int = MAX_OUTPUT) -> str:
-        """Render with ``data`` as dot and ``$``; raises :class:`TemplateError`."""
-        return self.run(data, max_steps=max_steps, max_output=max_output)[0]
+    def execute(
+        self,
+        data: Any,
+        *,
+        max_steps: int = MAX_STEPS,
+        max_output: int = MAX_OUTPUT,
+        max_alloc: int = MAX_ALLOC,
+        timeout: float = MAX_SECONDS,
+    ) -> str:
+        """Render with ``data`` as dot and ``$`` within the given bounds; raises :class:`TemplateError`."""
+        return self.run(data, Budget(max_steps=max_steps, max_output=max_output, max_alloc=max_alloc, timeout=timeout))
 
-    def run(self, data: Any, *, max_steps: int = MAX_STEPS, max_output: int = MAX_OUTPUT) -> tuple[str, int]:
-        """Like :meth:`execute`, also returning the steps used (to share one budget across several runs)."""
-        ex = _Exec(self.src, data, max_steps, max_output)
+    def run(self, data: Any, budget: Budget) -> str:
+        """Like :meth:`execute`, drawing on ``budget`` (which several runs may share)."""
+        ex = _Exec(self.src, data, budget)
         try:
             ex.walk(data, self.root)
         except RecursionError:
             raise TemplateError("template: execution nested too deeply") from None
-        return "".join(ex.out), ex.steps
+        return "".join(ex.out)
 
     def identifiers(self) -> set[str]:
         """Lower-cased names of every field and variable path part used (as Ollama's ``Template.Vars``)."""
@@ -1040,6 +1211,11 @@ def parse(text: str) -> Template:
     """Parse Go template text; raises :class:`TemplateError` (``template: line:col: what``)."""
     if not isinstance(text, str):
         raise TemplateError("template: text must be a string")
+    if len(text) > MAX_SOURCE:
+        raise TemplateError(
+            f"template: the template is larger than {MAX_SOURCE} characters "
+            f"({MAX_SOURCE // 1024} KiB); use a shorter template"
+        )
     try:
         toks = _lex(text)
         root, _ = _Parser(text, toks).items(top=True)

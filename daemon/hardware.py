@@ -50,13 +50,23 @@ CACHE_VERSION = 1
 FREE_MAX_AGE = 60.0  # seconds a cached free-memory number stands for a GPU nothing else can measure
 CACHE_PRUNE_AGE = 30 * 86400.0
 # Variables that change which devices llama.cpp sees (part of the cache key; shown by /api/info).
-VISIBLE_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "GGML_VK_VISIBLE_DEVICES",
-               "ONEAPI_DEVICE_SELECTOR", "CUDA_DEVICE_ORDER")
+VISIBLE_ENV = (
+    "CUDA_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+    "GGML_VK_VISIBLE_DEVICES",
+    "ONEAPI_DEVICE_SELECTOR",
+    "CUDA_DEVICE_ORDER",
+)
 # Backends that are not GPUs (the CPU, its helpers, remote servers corral does not configure).
 CPU_BACKENDS = ("CPU", "BLAS", "AMX", "RPC", "ZenDNN", "OpenVINO-CPU")
 # A variable set to "" hides every device of these ggml backends (CUDA and Vulkan do it themselves too).
-EMPTY_HIDES = {"CUDA_VISIBLE_DEVICES": ("CUDA",), "HIP_VISIBLE_DEVICES": ("ROCm",), "ROCR_VISIBLE_DEVICES": ("ROCm",),
-               "GGML_VK_VISIBLE_DEVICES": ("Vulkan",)}
+EMPTY_HIDES = {
+    "CUDA_VISIBLE_DEVICES": ("CUDA",),
+    "HIP_VISIBLE_DEVICES": ("ROCm",),
+    "ROCR_VISIBLE_DEVICES": ("ROCm",),
+    "GGML_VK_VISIBLE_DEVICES": ("Vulkan",),
+}
 
 
 @dataclass(frozen=True)
@@ -156,11 +166,19 @@ def read_nvml() -> tuple[tuple[GPU, ...], str]:
                 bus = _text(pynvml.nvmlDeviceGetPciInfo(h).busId)
             except Exception:  # noqa: BLE001
                 bus = ""
-            gpus.append(GPU(
-                index=i, name=_text(pynvml.nvmlDeviceGetName(h)), uuid=_text(pynvml.nvmlDeviceGetUUID(h)),
-                total_vram=int(mem.total), free_vram=int(mem.free), driver=driver, compute_capability=cc,
-                backend="CUDA", pci_bus_id=bus,
-            ))
+            gpus.append(
+                GPU(
+                    index=i,
+                    name=_text(pynvml.nvmlDeviceGetName(h)),
+                    uuid=_text(pynvml.nvmlDeviceGetUUID(h)),
+                    total_vram=int(mem.total),
+                    free_vram=int(mem.free),
+                    driver=driver,
+                    compute_capability=cc,
+                    backend="CUDA",
+                    pci_bus_id=bus,
+                )
+            )
         return tuple(gpus), "" if gpus else "NVML found no GPUs"
     except Exception as exc:  # noqa: BLE001
         return (), f"NVML error: {exc}"
@@ -199,8 +217,9 @@ def filter_cuda_visible(gpus: tuple[GPU, ...], value: str | None) -> tuple[GPU, 
     return tuple(replace(g, index=i) for i, g in enumerate(chosen))
 
 
-def nvml_visible(environ: Mapping[str, str] | None = None,
-                 nvml: Callable[[], tuple[tuple[GPU, ...], str]] | None = None) -> tuple[tuple[GPU, ...], str]:
+def nvml_visible(
+    environ: Mapping[str, str] | None = None, nvml: Callable[[], tuple[tuple[GPU, ...], str]] | None = None
+) -> tuple[tuple[GPU, ...], str]:
     """NVML's GPUs filtered by CUDA_VISIBLE_DEVICES, and why there are none."""
     gpus, reason = (nvml or read_nvml)()
     return _visible(gpus, reason, os.environ if environ is None else environ)
@@ -210,21 +229,31 @@ def _visible(gpus: tuple[GPU, ...], reason: str, env: Mapping[str, str]) -> tupl
     value = env.get("CUDA_VISIBLE_DEVICES")
     visible = filter_cuda_visible(gpus, value)
     if gpus and not visible:
-        reason = "CUDA_VISIBLE_DEVICES is set and empty" if value == "" else \
-            f"CUDA_VISIBLE_DEVICES={value!r} names none of NVML's GPUs"
+        reason = (
+            "CUDA_VISIBLE_DEVICES is set and empty"
+            if value == ""
+            else f"CUDA_VISIBLE_DEVICES={value!r} names none of NVML's GPUs"
+        )
     return visible, reason
 
 
 # -- the llama.cpp probe ---------------------------------------------------------------------------------------
-def run_probe(environ: Mapping[str, str] | None = None,
-              timeout: float = PROBE_TIMEOUT) -> tuple[dict[str, Any] | None, str]:
+def run_probe(
+    environ: Mapping[str, str] | None = None, timeout: float = PROBE_TIMEOUT
+) -> tuple[dict[str, Any] | None, str]:
     """Run ``python -m daemon.runners.probe`` with this environment; its JSON, or None and why."""
     env = dict(os.environ if environ is None else environ)
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     try:
-        r = subprocess.run([sys.executable, "-m", "daemon.runners.probe"], env=env, capture_output=True, text=True,
-                           timeout=timeout, stdin=subprocess.DEVNULL)
+        r = subprocess.run(
+            [sys.executable, "-m", "daemon.runners.probe"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired:
         return None, f"the llama.cpp probe did not answer within {timeout:g}s"
     except (OSError, subprocess.SubprocessError) as exc:
@@ -283,9 +312,14 @@ def cache_key(environ: Mapping[str, str]) -> dict[str, Any] | None:
             libs.append([p.name, st.st_size, st.st_mtime_ns])
     if not libs:
         return None
-    return {"v": CACHE_VERSION, "python": sys.executable, "lib_dir": str(lib_dir), "libs": libs,
-            "env": {k: environ.get(k) for k in (*VISIBLE_ENV, "LLAMA_CPP_LIB_PATH")},
-            "boot": int(psutil.boot_time())}
+    return {
+        "v": CACHE_VERSION,
+        "python": sys.executable,
+        "lib_dir": str(lib_dir),
+        "libs": libs,
+        "env": {k: environ.get(k) for k in (*VISIBLE_ENV, "LLAMA_CPP_LIB_PATH")},
+        "boot": int(psutil.boot_time()),
+    }
 
 
 def default_cache_dir() -> Path:
@@ -325,16 +359,24 @@ def _write_cache(path: Path, key: dict[str, Any], probe: dict[str, Any]) -> None
 
 # -- putting it together ---------------------------------------------------------------------------------------
 def _devices(probe: dict[str, Any], available_ram: int) -> tuple[Device, ...]:
-    out = []
+    out: list[Device] = []
     for d in probe.get("devices") or []:
         kind = str(d.get("type") or "")
         free = int(d.get("memory_free") or 0)
         if kind == "cpu":
             free = available_ram  # llama.cpp's CPU device reports its total as free; psutil knows better
-        out.append(Device(index=int(d.get("index", len(out))), name=str(d.get("name") or ""),
-                          description=str(d.get("description") or ""), backend=str(d.get("backend") or ""),
-                          type=kind, memory_total=int(d.get("memory_total") or 0), memory_free=free,
-                          device_id=str(d.get("device_id") or "")))
+        out.append(
+            Device(
+                index=int(d.get("index", len(out))),
+                name=str(d.get("name") or ""),
+                description=str(d.get("description") or ""),
+                backend=str(d.get("backend") or ""),
+                type=kind,
+                memory_total=int(d.get("memory_total") or 0),
+                memory_free=free,
+                device_id=str(d.get("device_id") or ""),
+            )
+        )
     return tuple(out)
 
 
@@ -377,39 +419,57 @@ def _merge_nvml(devs: list[Device], nvml: tuple[GPU, ...], nvml_all: tuple[GPU, 
     return out
 
 
-def _gpus(devices: tuple[Device, ...], nvml: tuple[GPU, ...], hidden: set[str],
-          nvml_all: tuple[GPU, ...] = ()) -> tuple[GPU, ...]:
+def _gpus(
+    devices: tuple[Device, ...], nvml: tuple[GPU, ...], hidden: set[str], nvml_all: tuple[GPU, ...] = ()
+) -> tuple[GPU, ...]:
     devs = [d for d in offload_devices(devices) if d.backend not in hidden]
     gpus = []
-    for i, (d, nv) in enumerate(zip(devs, _merge_nvml(devs, nvml, nvml_all))):
+    for i, (d, nv) in enumerate(zip(devs, _merge_nvml(devs, nvml, nvml_all), strict=True)):
         total = nv.total_vram if nv else d.memory_total
         free = nv.free_vram if nv else d.memory_free
-        gpus.append(GPU(index=i, name=nv.name if nv else d.description or d.name, uuid=nv.uuid if nv else "",
-                        total_vram=total, free_vram=free, driver=nv.driver if nv else "",
-                        compute_capability=nv.compute_capability if nv else "", backend=d.backend,
-                        description=d.description, type=d.type, device=d.name,
-                        pci_bus_id=d.device_id or (nv.pci_bus_id if nv else "")))
+        gpus.append(
+            GPU(
+                index=i,
+                name=nv.name if nv else d.description or d.name,
+                uuid=nv.uuid if nv else "",
+                total_vram=total,
+                free_vram=free,
+                driver=nv.driver if nv else "",
+                compute_capability=nv.compute_capability if nv else "",
+                backend=d.backend,
+                description=d.description,
+                type=d.type,
+                device=d.name,
+                pci_bus_id=d.device_id or (nv.pci_bus_id if nv else ""),
+            )
+        )
     return tuple(gpus)
 
 
-def _needs_fresh_probe(probe: dict[str, Any], age: float, nvml: tuple[GPU, ...], hidden: set[str],
-                       nvml_all: tuple[GPU, ...] = ()) -> bool:
+def _needs_fresh_probe(
+    probe: dict[str, Any], age: float, nvml: tuple[GPU, ...], hidden: set[str], nvml_all: tuple[GPU, ...] = ()
+) -> bool:
     """Whether a cached probe is too old to vouch for some GPU's free memory, or NVML disagrees with it."""
     devices = _devices(probe, 0)
     devs = [d for d in offload_devices(devices) if d.backend not in hidden]
     cuda_registered = any(b.get("name") == "CUDA" for b in probe.get("backends") or [] if isinstance(b, dict))
     if cuda_registered and nvml and len([d for d in devs if d.backend == "CUDA"]) != len(nvml):
         return True  # a GPU came or went under the same libraries and variables
-    for d, nv in zip(devs, _merge_nvml(devs, nvml, nvml_all)):
+    for d, nv in zip(devs, _merge_nvml(devs, nvml, nvml_all), strict=True):
         if nv is None and d.backend != "Metal" and age > FREE_MAX_AGE:
             return True
     return False
 
 
-def detect(*, check_offload: bool = True, environ: Mapping[str, str] | None = None,
-           nvml: Callable[[], tuple[tuple[GPU, ...], str]] | None = None,
-           probe: Callable[[Mapping[str, str]], tuple[dict[str, Any] | None, str]] | None = None,
-           cache_dir: Path | None = None, use_cache: bool = True) -> Hardware:
+def detect(
+    *,
+    check_offload: bool = True,
+    environ: Mapping[str, str] | None = None,
+    nvml: Callable[[], tuple[tuple[GPU, ...], str]] | None = None,
+    probe: Callable[[Mapping[str, str]], tuple[dict[str, Any] | None, str]] | None = None,
+    cache_dir: Path | None = None,
+    use_cache: bool = True,
+) -> Hardware:
     """The machine as llama.cpp will see it. ``check_offload=False`` never starts the probe child (a cached answer
     is still used). ``nvml``, ``probe`` and ``cache_dir`` can be replaced (tests)."""
     env = os.environ if environ is None else environ
@@ -447,28 +507,42 @@ def detect(*, check_offload: bool = True, environ: Mapping[str, str] | None = No
     reason = ""
     if not gpus:
         hid = [f"{v} is set and empty" for v in EMPTY_HIDES if env.get(v) == ""]
-        gpu_backends = [str(b.get("name")) for b in (data or {}).get("backends") or []
-                        if isinstance(b, dict) and b.get("name") not in CPU_BACKENDS]
+        gpu_backends = [
+            str(b.get("name"))
+            for b in (data or {}).get("backends") or []
+            if isinstance(b, dict) and b.get("name") not in CPU_BACKENDS
+        ]
         if failure:
             reason = failure
         elif hid:
             reason = "no GPU visible: " + ", ".join(hid)
         elif gpu_backends:
-            reason = (f"llama.cpp's {', '.join(gpu_backends)} backend sees no GPU "
-                      "(no driver, or a visible-devices variable names none)")
+            reason = (
+                f"llama.cpp's {', '.join(gpu_backends)} backend sees no GPU "
+                "(no driver, or a visible-devices variable names none)"
+            )
         else:
-            reason = "this llama-cpp-python build has no GPU backend (it was built for the CPU only); " \
-                     "see README 'GPU backends'"
+            reason = (
+                "this llama-cpp-python build has no GPU backend (it was built for the CPU only); "
+                "see README 'GPU backends'"
+            )
         if nv_gpus and not failure:
             reason += f"; NVML sees {len(nv_gpus)} NVIDIA GPU(s) ({', '.join(g.name for g in nv_gpus)})"
         elif nv_reason and not hid:
             reason += f"; {nv_reason}"
     return Hardware(
-        physical_cores=physical, logical_cores=logical, total_ram=int(vm.total), available_ram=int(vm.available),
-        gpus=gpus, gpu_offload=offload, gpu_reason=reason,
+        physical_cores=physical,
+        logical_cores=logical,
+        total_ram=int(vm.total),
+        available_ram=int(vm.available),
+        gpus=gpus,
+        gpu_offload=offload,
+        gpu_reason=reason,
         backends=tuple(str(b.get("name") if isinstance(b, dict) else b) for b in (data or {}).get("backends") or []),
-        devices=devices, cpu_features=tuple(str(f) for f in (data or {}).get("cpu_features") or []),
-        system_info=str((data or {}).get("system_info") or ""), probe=source,
+        devices=devices,
+        cpu_features=tuple(str(f) for f in (data or {}).get("cpu_features") or []),
+        system_info=str((data or {}).get("system_info") or ""),
+        probe=source,
         visible_devices=tuple((k, env.get(k)) for k in VISIBLE_ENV if k in env),
     )
 
@@ -483,8 +557,12 @@ class SystemMemoryProbe:
     """Free memory now. VRAM: NVML's visible GPUs (CUDA_VISIBLE_DEVICES applied); given the detected hardware, its
     usable GPUs, each with NVML's fresh number where NVML knows it and the detected one otherwise."""
 
-    def __init__(self, hardware: Hardware | None = None, environ: Mapping[str, str] | None = None,
-                 nvml: Callable[[], tuple[tuple[GPU, ...], str]] | None = None) -> None:
+    def __init__(
+        self,
+        hardware: Hardware | None = None,
+        environ: Mapping[str, str] | None = None,
+        nvml: Callable[[], tuple[tuple[GPU, ...], str]] | None = None,
+    ) -> None:
         self.hardware, self.environ, self.nvml = hardware, environ, nvml
 
     def free_ram(self) -> int:
@@ -543,16 +621,22 @@ def budgets(hw: Hardware, ram_budget: int | None, vram_budget: int | None) -> Bu
 
 
 def describe(hw: Hardware, b: Budgets) -> list[str]:
-    lines = [f"cpu physical_cores={hw.physical_cores} logical_cores={hw.logical_cores} "
-             f"ram_total={hw.total_ram} ram_available={hw.available_ram} "
-             f"features={','.join(hw.cpu_features) or '?'}"]
+    lines = [
+        f"cpu physical_cores={hw.physical_cores} logical_cores={hw.logical_cores} "
+        f"ram_total={hw.total_ram} ram_available={hw.available_ram} "
+        f"features={','.join(hw.cpu_features) or '?'}"
+    ]
     lines.append(f"llama.cpp backends={','.join(hw.backends) or 'none'} source={hw.probe or '?'}")
     for d in hw.devices:
-        lines.append(f"device index={d.index} name={d.name} type={d.type} backend={d.backend} "
-                     f"description=\"{d.description}\" memory_total={d.memory_total} memory_free={d.memory_free}")
+        lines.append(
+            f"device index={d.index} name={d.name} type={d.type} backend={d.backend} "
+            f'description="{d.description}" memory_total={d.memory_total} memory_free={d.memory_free}'
+        )
     for g in hw.gpus:
-        lines.append(f"gpu index={g.index} name=\"{g.name}\" backend={g.backend} vram_total={g.total_vram} "
-                     f"vram_free={g.free_vram} driver={g.driver or '-'} compute={g.compute_capability or '-'}")
+        lines.append(
+            f'gpu index={g.index} name="{g.name}" backend={g.backend} vram_total={g.total_vram} '
+            f"vram_free={g.free_vram} driver={g.driver or '-'} compute={g.compute_capability or '-'}"
+        )
     if not hw.gpus or not hw.gpu_offload:
         lines.append(f"gpu none usable: {hw.gpu_reason or 'no GPU'}; running on the CPU")
     per = " per_gpu=" + ",".join(str(x) for x in b.gpu_budgets) if len(b.gpu_budgets) > 1 else ""

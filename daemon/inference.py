@@ -8,15 +8,15 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from daemon.catalog import Catalog
-from daemon.scheduler import Lease, ModelRef, Scheduler
 from daemon.runners.base import LoadSpec, SampleParams
+from daemon.scheduler import Lease, ModelRef, Scheduler
 from daemon.settings import Settings, SettingsError, parse_duration
-from modelfile.params import DEFAULT_OPTIONS, DEPRECATED_OPTIONS, OPTION_TYPES, validate_options
+from modelfile.params import DEFAULT_OPTIONS, DEPRECATED_OPTIONS, OPTION_TYPES, check_value, validate_options
 from registry.errors import CorralError, InvalidRequest
 from registry.gguf import GGUFInfo
 from registry.manifest import MEDIA_ADAPTER, MEDIA_MODEL, MEDIA_PROJECTOR
@@ -46,7 +46,7 @@ def now_rfc3339() -> str:
     sec, frac = divmod(ns, 1_000_000_000)
     if _second_cache[0] != sec:
         _second_cache[0] = sec
-        _second_cache[1] = datetime.fromtimestamp(sec, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.")
+        _second_cache[1] = datetime.fromtimestamp(sec, UTC).strftime("%Y-%m-%dT%H:%M:%S.")
     return f"{_second_cache[1]}{frac:09d}Z"
 
 
@@ -84,14 +84,24 @@ class ModelContext:
         # the key is the weights, not the name: names that resolve to the same model file and adapters (a copy, a
         # Modelfile that only changes SYSTEM, TEMPLATE, PARAMETER or MESSAGE) share one runner, counted once
         weights = "+".join([self.model_path.name, *(Path(a).name for a in self.adapters)])
-        return ModelRef(key=weights, name=self.name.short(), digest=self.stored.manifest.digest.hex,
-                        details=self.details)
+        return ModelRef(
+            key=weights, name=self.name.short(), digest=self.stored.manifest.digest.hex, details=self.details
+        )
 
 
 class Inference:
-    def __init__(self, catalog: Catalog, scheduler: Scheduler, settings: Settings, *, vram_budget: int = 0,
-                 physical_cores: int = 0, ram_budget: int = 0, default_num_ctx: int = 4096,
-                 gpu_budgets: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        scheduler: Scheduler,
+        settings: Settings,
+        *,
+        vram_budget: int = 0,
+        physical_cores: int = 0,
+        ram_budget: int = 0,
+        default_num_ctx: int = 4096,
+        gpu_budgets: tuple[int, ...] = (),
+    ) -> None:
         self.catalog = catalog
         self.gpu_budgets = gpu_budgets  # VRAM budget per visible GPU, in llama.cpp's device order (hardware.Budgets)
         self.scheduler = scheduler
@@ -106,10 +116,14 @@ class Inference:
     def model(self, raw: str) -> ModelContext:
         stored = self.catalog.get(raw)
         manifest = stored.manifest
+        self.catalog.check_requires(manifest, raw)  # REQUIRES newer than this corral's Ollama version: a 400
         layer = manifest.first(MEDIA_MODEL)
         if layer is None:
             raise InvalidRequest(f"model '{raw}' has no GGUF model layer and cannot be run")
         info = self.catalog.gguf(layer.digest)
+        from daemon.memory import layers_of
+
+        layers_of(info)  # the per-layer sums, once, here in the thread pool: load_spec then runs in O(1) per estimate
         template = self.catalog.template_text(manifest)
         return ModelContext(
             raw=raw,
@@ -141,7 +155,9 @@ class Inference:
         merged: dict[str, Any] = dict(DEFAULT_OPTIONS)
         model_opts = validate_options(ctx.params, ignore_unknown=True)
         merged.update(model_opts)
-        unknown = [k for k in request_options if k not in OPTION_TYPES and k not in DEPRECATED_OPTIONS]
+        unknown = [
+            k for k in request_options if k not in OPTION_TYPES and k not in DEPRECATED_OPTIONS and k != "logit_bias"
+        ]
         if unknown:
             log.warning("invalid option provided options=%s", ",".join(map(str, unknown)))
         request_opts = validate_options(request_options, ignore_unknown=True)
@@ -149,34 +165,22 @@ class Inference:
         if "num_ctx" not in model_opts and "num_ctx" not in request_opts:
             merged["num_ctx"] = self.default_num_ctx
         self._check_ranges(merged)
+        if request_options.get("logit_bias") is not None:  # OpenAI's, a corral extension in options too
+            from daemon.runners.sampling import parse_logit_bias
+
+            try:
+                merged["logit_bias"] = parse_logit_bias(request_options["logit_bias"])
+            except ValueError as exc:
+                raise InvalidRequest(f'option "logit_bias" {exc}') from None
         return merged
 
     @staticmethod
     def _check_ranges(o: dict[str, Any]) -> None:
-        def bad(key: str, why: str) -> None:
-            raise InvalidRequest(f'option "{key}" {why}, got {o[key]!r}')
-
-        if o["num_ctx"] < 1 or o["num_ctx"] > 1 << 24:
-            bad("num_ctx", "must be between 1 and 16777216")
-        if o["num_batch"] < 1 or o["num_batch"] > 1 << 20:
-            bad("num_batch", "must be between 1 and 1048576")
-        if o["temperature"] < 0:
-            bad("temperature", "must not be negative")
-        for key in ("top_p", "min_p", "typical_p"):
-            if not 0 <= o[key] <= 1:
-                bad(key, "must be between 0 and 1")
-        if o["top_k"] < 0:
-            bad("top_k", "must not be negative")
-        if o["repeat_last_n"] < -1:
-            bad("repeat_last_n", "must be -1 (the whole context), 0 (off) or more")
-        if o["num_thread"] < 0 or o["num_thread"] > 1024:
-            bad("num_thread", "must be between 0 (automatic) and 1024")
-        if o["num_keep"] < -1:
-            bad("num_keep", "must be -1 or more")
-        if o["num_predict"] < -2:
-            bad("num_predict", "must be -1 (no limit) or more")
-        if o["num_gpu"] < -1:
-            bad("num_gpu", "must be -1 (automatic) or a layer count")
+        """Every merged value within its range (``modelfile.params.check_value``: finite numbers, repeat_penalty
+        above 0, num_thread within this machine's bound...), whichever layer it came from; a ParameterError (400)
+        names the option."""
+        for key, value in o.items():
+            check_value(key, value)
 
     def load_spec(self, ctx: ModelContext, opts: dict[str, Any], *, embedding: bool = False) -> LoadSpec:
         trained = ctx.info.context_length or opts["num_ctx"]
@@ -195,8 +199,9 @@ class Inference:
         if num_gpu < 0:
             num_gpu = self.choose_gpu_layers(ctx, num_ctx, num_batch, num_parallel, kv_type)
         num_thread = int(opts["num_thread"]) or self.physical_cores
-        prompt_cache = (0 if embedding
-                        else self.prompt_cache_for(ctx, num_ctx, num_batch, num_parallel, num_gpu, kv_type))
+        prompt_cache = (
+            0 if embedding else self.prompt_cache_for(ctx, num_ctx, num_batch, num_parallel, num_gpu, kv_type)
+        )
         return LoadSpec(
             model_path=str(ctx.model_path),
             adapters=ctx.adapters,
@@ -226,8 +231,9 @@ class Inference:
                 return parallel
         return 1
 
-    def prompt_cache_for(self, ctx: ModelContext, num_ctx: int, num_batch: int, num_parallel: int,
-                         num_gpu: int, kv_type: str = "f16") -> int:
+    def prompt_cache_for(
+        self, ctx: ModelContext, num_ctx: int, num_batch: int, num_parallel: int, num_gpu: int, kv_type: str = "f16"
+    ) -> int:
         """Host RAM for the sequences a runner saves when it reuses a slot: as much as the slots' KV cache, when
         the model and that much more fit the RAM budget together (else none: the model itself comes first)."""
         est = self._estimate(ctx, num_ctx, num_batch, num_parallel, num_gpu, kv_type)
@@ -236,8 +242,9 @@ class Inference:
             return 0
         return want
 
-    def _estimate(self, ctx: ModelContext, num_ctx: int, num_batch: int, num_parallel: int, num_gpu: int,
-                  kv_type: str = "f16") -> Any:
+    def _estimate(
+        self, ctx: ModelContext, num_ctx: int, num_batch: int, num_parallel: int, num_gpu: int, kv_type: str = "f16"
+    ) -> Any:
         """``daemon.memory.estimate``, remembered per model file (blobs never change) and shape: ``load_spec`` runs
         on every request and would otherwise estimate the same model several times each time (~0.25 ms each)."""
         key = (str(ctx.model_path), num_ctx, num_batch, num_parallel, num_gpu, kv_type)
@@ -247,21 +254,35 @@ class Inference:
 
             if len(self._estimates) >= 256:
                 self._estimates.clear()
-            est = self._estimates[key] = estimate(ctx.info, num_ctx=num_ctx, num_parallel=num_parallel,
-                                                  num_batch=num_batch, n_gpu_layers=num_gpu, kv_type=kv_type)
+            est = self._estimates[key] = estimate(
+                ctx.info,
+                num_ctx=num_ctx,
+                num_parallel=num_parallel,
+                num_batch=num_batch,
+                n_gpu_layers=num_gpu,
+                kv_type=kv_type,
+            )
         return est
 
-    def choose_gpu_layers(self, ctx: ModelContext, num_ctx: int, num_batch: int, num_parallel: int = 1,
-                          kv_type: str = "f16") -> int:
+    def choose_gpu_layers(
+        self, ctx: ModelContext, num_ctx: int, num_batch: int, num_parallel: int = 1, kv_type: str = "f16"
+    ) -> int:
         if self.vram_budget <= 0:
             return 0
         from daemon.memory import choose_gpu_layers
 
-        return choose_gpu_layers(ctx.info, num_ctx=num_ctx, num_parallel=num_parallel, num_batch=num_batch,
-                                 vram_budget=self.vram_budget, kv_type=kv_type)
+        return choose_gpu_layers(
+            ctx.info,
+            num_ctx=num_ctx,
+            num_parallel=num_parallel,
+            num_batch=num_batch,
+            vram_budget=self.vram_budget,
+            kv_type=kv_type,
+        )
 
-    def gpu_split(self, ctx: ModelContext, opts: dict[str, Any], num_ctx: int, num_batch: int, num_parallel: int,
-                  num_gpu: int) -> tuple[int, tuple[float, ...]]:
+    def gpu_split(
+        self, ctx: ModelContext, opts: dict[str, Any], num_ctx: int, num_batch: int, num_parallel: int, num_gpu: int
+    ) -> tuple[int, tuple[float, ...]]:
         """``main_gpu`` and ``tensor_split`` for this load over the visible GPUs (see ``gpu_placement``), from the
         VRAM the offloaded layers need."""
         if num_gpu == 0 or len(self.gpu_budgets) <= 1:
@@ -270,8 +291,9 @@ class Inference:
         return self.gpu_placement(self.gpu_budgets, int(est.vram), opts.get("main_gpu"))
 
     @staticmethod
-    def gpu_placement(gpu_budgets: tuple[int, ...], vram_needed: int,
-                      main_gpu: Any = None) -> tuple[int, tuple[float, ...]]:
+    def gpu_placement(
+        gpu_budgets: tuple[int, ...], vram_needed: int, main_gpu: Any = None
+    ) -> tuple[int, tuple[float, ...]]:
         """Where a model's offloaded layers go. ``main_gpu`` (the option; GPU 0 when unset) is the GPU that holds
         the model alone when its layers fit that GPU's budget (no traffic between GPUs, as Ollama places models);
         a model too big for it is split over every GPU with a budget, in proportion to each one's free memory
@@ -316,6 +338,7 @@ class Inference:
             num_keep=int(opts["num_keep"]),
             grammar=grammar,
             json_schema=schema,
+            logit_bias=tuple(opts.get("logit_bias") or ()),
         )
 
     async def acquire(self, ctx: ModelContext, spec: LoadSpec, keep_alive: float | None) -> Lease:

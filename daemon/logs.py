@@ -33,7 +33,8 @@ MAX_TRACEBACK = 32 * 1024
 # display in another order than it is stored), byte-order mark, lone surrogates (from undecodable file names).
 _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ufeff\ud800-\udfff]")
 _UNSAFE_KEEP_NEWLINES = re.compile(
-    "[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ufeff\ud800-\udfff]")
+    "[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ufeff\ud800-\udfff]"
+)
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
@@ -75,7 +76,7 @@ class Formatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         try:
             message = record.getMessage()
-        except Exception as exc:  # a bad format string or args: still one line, and say so
+        except Exception as exc:  # noqa: BLE001 - a bad format string or args: still one line, and say so
             message = f"{record.msg!r} (unformattable args: {exc})"
         record.message = _truncate(escape(message), MAX_MESSAGE)
         if self.usesTime():
@@ -134,9 +135,17 @@ class RateLimit(logging.Filter):
 
     ``emit`` writes a summary record (the handler's ``handle``; summaries bypass this filter)."""
 
-    def __init__(self, emit: Callable[[logging.LogRecord], object], *, burst: int = 10, interval: float = 60.0,
-                 max_bytes: int = 4 * 1024 * 1024, max_tracebacks: int = 20, max_summaries: int = 50,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        emit: Callable[[logging.LogRecord], object],
+        *,
+        burst: int = 10,
+        interval: float = 60.0,
+        max_bytes: int = 4 * 1024 * 1024,
+        max_tracebacks: int = 20,
+        max_summaries: int = 50,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__()
         self.emit = emit
         self.burst = burst
@@ -165,7 +174,7 @@ class RateLimit(logging.Filter):
             return True
         try:
             text = record.getMessage()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a bad format string or args: key on the raw message
             text = str(record.msg)
         key = self._key(record, text)
         summaries: list[logging.LogRecord] = []
@@ -178,8 +187,14 @@ class RateLimit(logging.Filter):
             self.emit(summary)
         return allowed
 
-    def _admit(self, key: tuple[object, ...], text: str, record: logging.LogRecord, now: float,
-               summaries: list[logging.LogRecord]) -> bool:
+    def _admit(
+        self,
+        key: tuple[object, ...],
+        text: str,
+        record: logging.LogRecord,
+        now: float,
+        summaries: list[logging.LogRecord],
+    ) -> bool:
         window = self._windows.get(key)
         if window is not None and now - window.start >= self.interval:
             self._close([(key, window)], now, summaries)
@@ -211,34 +226,51 @@ class RateLimit(logging.Filter):
         window.passed += 1
         return True
 
-    def _close(self, windows: list[tuple[tuple[object, ...], _Window]], now: float,
-               summaries: list[logging.LogRecord]) -> None:
+    def _close(
+        self, windows: list[tuple[tuple[object, ...], _Window]], now: float, summaries: list[logging.LogRecord]
+    ) -> None:
         folded = kinds = 0
         for key, window in windows:
             del self._windows[key]
             if not window.suppressed:
                 continue
             if len(summaries) < self.max_summaries:
-                summaries.append(self._summary(
-                    window.name, window.level, "suppressed %d similar messages in the last %ds: %s",
-                    (window.suppressed, round(now - window.start), window.sample)))
+                summaries.append(
+                    self._summary(
+                        window.name,
+                        window.level,
+                        "suppressed %d similar messages in the last %ds: %s",
+                        (window.suppressed, round(now - window.start), window.sample),
+                    )
+                )
             else:
                 folded += window.suppressed
                 kinds += 1
         if folded:
-            summaries.append(self._summary(__name__, logging.WARNING,
-                                           "suppressed %d more messages of %d kinds", (folded, kinds)))
+            summaries.append(
+                self._summary(__name__, logging.WARNING, "suppressed %d more messages of %d kinds", (folded, kinds))
+            )
 
     def _close_budget(self, now: float, summaries: list[logging.LogRecord]) -> None:
         b = self._budget
         if b.suppressed:
-            summaries.append(self._summary(
-                __name__, b.level, "suppressed %d messages in the last %ds: more than %d bytes of log (from %s)",
-                (b.suppressed, round(now - b.start), self.max_bytes, ",".join(sorted(b.names)))))
+            summaries.append(
+                self._summary(
+                    __name__,
+                    b.level,
+                    "suppressed %d messages in the last %ds: more than %d bytes of log (from %s)",
+                    (b.suppressed, round(now - b.start), self.max_bytes, ",".join(sorted(b.names))),
+                )
+            )
         if b.stripped:
-            summaries.append(self._summary(
-                __name__, logging.WARNING, "left out the tracebacks of %d messages in the last %ds",
-                (b.stripped, round(now - b.start))))
+            summaries.append(
+                self._summary(
+                    __name__,
+                    logging.WARNING,
+                    "left out the tracebacks of %d messages in the last %ds",
+                    (b.stripped, round(now - b.start)),
+                )
+            )
         self._budget = _Budget(start=now)
 
     def _sweep(self, now: float, summaries: list[logging.LogRecord]) -> None:

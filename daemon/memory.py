@@ -8,10 +8,12 @@ growing with long contexts). It decides how many layers fit a VRAM budget.
 from __future__ import annotations
 
 import re
+import threading
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from registry.gguf import GGUFInfo
+from registry.gguf import MAX_LAYERS, GGUFInfo
 
 # bytes per K or V value; llama.cpp's quantized blocks hold 32 values: q8_0 32 int8 + an f16 scale (34 bytes),
 # q4_0 16 bytes of nibbles + an f16 scale (18 bytes)
@@ -46,9 +48,34 @@ def _vocab(info: GGUFInfo) -> int:
     return _int(info, "vocab_size") or info.array_length("tokenizer.ggml.tokens") or 32000
 
 
-def estimate(info: GGUFInfo, *, num_ctx: int, num_parallel: int = 1, num_batch: int = 512, n_gpu_layers: int = 0,
-             kv_type: str = "f16") -> Estimate:
-    n_layer = info.block_count or 1
+@dataclass(frozen=True)
+class Layers:
+    """A model's weights by layer, summed once per header: every estimate and layer split is then O(1) or
+    O(log layers), never O(block_count) or O(tensors) again."""
+
+    per_layer: tuple[int, ...]
+    prefix: tuple[int, ...]  # prefix[i] = sum(per_layer[:i])
+    other: int
+    output: int
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.per_layer)
+
+
+_SUMMARIES: dict[int, tuple[weakref.ref[GGUFInfo], Layers]] = {}
+_SUMMARIES_LOCK = threading.Lock()
+
+
+def layers_of(info: GGUFInfo) -> Layers:
+    """The per-layer sums of ``info`` (cached while ``info`` lives). One pass over the tensor list; the layer count
+    is the header's ``block_count``, which the reader bounds to llama.cpp's ``MAX_LAYERS`` (clamped here too, for
+    a header that did not come through it)."""
+    key = id(info)
+    hit = _SUMMARIES.get(key)
+    if hit is not None and hit[0]() is info:
+        return hit[1]
+    n_layer = max(1, min(info.block_count or 1, MAX_LAYERS))
     per_layer = [0] * n_layer
     other = output = 0
     for t in info.tensors:
@@ -59,6 +86,22 @@ def estimate(info: GGUFInfo, *, num_ctx: int, num_parallel: int = 1, num_batch: 
             output += t.n_bytes
         else:
             other += t.n_bytes
+    prefix = [0]
+    for w in per_layer:
+        prefix.append(prefix[-1] + w)
+    summary = Layers(per_layer=tuple(per_layer), prefix=tuple(prefix), other=other, output=output)
+    with _SUMMARIES_LOCK:
+        if len(_SUMMARIES) >= 128:
+            for k in [k for k, (ref, _) in _SUMMARIES.items() if ref() is None]:
+                del _SUMMARIES[k]
+            if len(_SUMMARIES) >= 128:
+                _SUMMARIES.clear()
+        _SUMMARIES[key] = (weakref.ref(info), summary)
+    return summary
+
+
+def _buffers(info: GGUFInfo, *, num_ctx: int, num_parallel: int, num_batch: int, kv_type: str) -> tuple[int, int]:
+    """(KV cache bytes per layer, compute buffer bytes) for this shape."""
     n_embd = info.embedding_length or 1
     n_head = info.head_count or 1
     n_head_kv = info.head_count_kv or n_head
@@ -70,37 +113,81 @@ def estimate(info: GGUFInfo, *, num_ctx: int, num_parallel: int = 1, num_batch: 
     n_ff = _int(info, "feed_forward_length") or 4 * n_embd
     # llama.cpp reuses graph memory, so the buffer is about the larger of the logits of one batch and the
     # attention scores of one batch over the whole cache, plus activations (calibrated on the test models).
-    compute = (max(_vocab(info) * batch * 4, int(cells * batch * n_head * 5.5))
-               + batch * (n_embd + n_ff) * 4 + (1 << 20))
+    compute = max(_vocab(info) * batch * 4, int(cells * batch * n_head * 5.5)) + batch * (n_embd + n_ff) * 4 + (1 << 20)
+    return kv_layer, compute
 
-    gpu = n_layer if n_gpu_layers < 0 else max(0, min(n_gpu_layers, n_layer))
-    on_gpu = range(n_layer - gpu, n_layer)  # llama.cpp offloads the last layers first
-    vram = sum(per_layer[i] for i in on_gpu) + gpu * kv_layer
-    ram = sum(per_layer[i] for i in range(n_layer - gpu)) + (n_layer - gpu) * kv_layer + other
+
+def _split(layers: Layers, kv_layer: int, compute: int, gpu: int) -> tuple[int, int]:
+    """(ram, vram) with the last ``gpu`` layers offloaded (llama.cpp offloads the last layers first)."""
+    n_layer = layers.n_layer
+    cpu = n_layer - gpu
+    vram = layers.prefix[n_layer] - layers.prefix[cpu] + gpu * kv_layer
+    ram = layers.prefix[cpu] + cpu * kv_layer + layers.other
     if gpu == n_layer and gpu > 0:
-        vram += output + compute
+        vram += layers.output + compute
     else:
-        ram += output + compute
+        ram += layers.output + compute
         if gpu > 0:
             vram += compute // 4  # a smaller GPU compute buffer for the offloaded part
-    return Estimate(weights_per_layer=tuple(per_layer), weights_other=other, output_weights=output,
-                    kv_per_layer=kv_layer, compute_buffer=compute, n_gpu_layers=gpu, ram=ram, vram=vram)
+    return ram, vram
 
 
-def choose_gpu_layers(info: GGUFInfo, *, num_ctx: int, num_parallel: int = 1, num_batch: int = 512,
-                      vram_budget: int, requested: int | None = None, kv_type: str = "f16") -> int:
-    """The most layers that fit ``vram_budget`` (``requested``, the num_gpu option, overrides when >= 0)."""
-    n_layer = info.block_count or 1
+def estimate(
+    info: GGUFInfo,
+    *,
+    num_ctx: int,
+    num_parallel: int = 1,
+    num_batch: int = 512,
+    n_gpu_layers: int = 0,
+    kv_type: str = "f16",
+) -> Estimate:
+    layers = layers_of(info)
+    n_layer = layers.n_layer
+    kv_layer, compute = _buffers(info, num_ctx=num_ctx, num_parallel=num_parallel, num_batch=num_batch, kv_type=kv_type)
+    gpu = n_layer if n_gpu_layers < 0 else max(0, min(n_gpu_layers, n_layer))
+    ram, vram = _split(layers, kv_layer, compute, gpu)
+    return Estimate(
+        weights_per_layer=layers.per_layer,
+        weights_other=layers.other,
+        output_weights=layers.output,
+        kv_per_layer=kv_layer,
+        compute_buffer=compute,
+        n_gpu_layers=gpu,
+        ram=ram,
+        vram=vram,
+    )
+
+
+def choose_gpu_layers(
+    info: GGUFInfo,
+    *,
+    num_ctx: int,
+    num_parallel: int = 1,
+    num_batch: int = 512,
+    vram_budget: int,
+    requested: int | None = None,
+    kv_type: str = "f16",
+) -> int:
+    """The most layers that fit ``vram_budget`` (``requested``, the num_gpu option, overrides when >= 0).
+
+    The VRAM an offload needs never shrinks as layers are added (each adds its weights and KV cache; the first adds
+    a compute buffer, the last the output and the full one), so a binary search over the layer count finds the
+    same answer as trying every count from the top, with the per-layer sums computed once."""
+    layers = layers_of(info)
+    n_layer = layers.n_layer
     if requested is not None and requested >= 0:
         return min(requested, n_layer)
     if vram_budget <= 0:
         return 0
-    for layers in range(n_layer, -1, -1):
-        est = estimate(info, num_ctx=num_ctx, num_parallel=num_parallel, num_batch=num_batch, n_gpu_layers=layers,
-                       kv_type=kv_type)
-        if est.vram <= vram_budget:
-            return layers
-    return 0
+    kv_layer, compute = _buffers(info, num_ctx=num_ctx, num_parallel=num_parallel, num_batch=num_batch, kv_type=kv_type)
+    lo, hi = 0, n_layer  # vram(0) == 0 fits; find the largest count that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _split(layers, kv_layer, compute, mid)[1] <= vram_budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 _SIMPLE = re.compile(r"(\w+?)(?:_Mapped)?\s+(model|KV|compute|output|RS) buffer size\s*=\s*([\d.]+)\s*MiB")

@@ -37,19 +37,36 @@ class Metrics:
     def __init__(self, scheduler: Any) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("corral_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
-                                registry=r)
-        self.request_seconds = Histogram("corral_request_duration_seconds", "HTTP request duration", ["endpoint"],
-                                         registry=r)
-        self.prompt_tokens = Counter("corral_prompt_tokens", "Prompt tokens (Ollama's prompt_eval_count)", ["model"],
-                                     registry=r)
-        self.cached_tokens = Counter("corral_prompt_cached_tokens", "Prompt tokens reused from the KV cache, not "
-                                     "evaluated again", ["model"], registry=r)
+        self.requests = Counter(
+            "corral_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.request_seconds = Histogram(
+            "corral_request_duration_seconds", "HTTP request duration", ["endpoint"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "corral_prompt_tokens", "Prompt tokens (Ollama's prompt_eval_count)", ["model"], registry=r
+        )
+        self.cached_tokens = Counter(
+            "corral_prompt_cached_tokens",
+            "Prompt tokens reused from the KV cache, not evaluated again",
+            ["model"],
+            registry=r,
+        )
         self.generated_tokens = Counter("corral_generated_tokens", "Tokens generated", ["model"], registry=r)
-        self.ttft = Histogram("corral_time_to_first_token_seconds", "Time from request to first token", ["model"],
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
-        self.tps = Histogram("corral_tokens_per_second", "Decode speed per request", ["model"],
-                             buckets=(1, 5, 10, 20, 50, 100, 200, 500, 1000, 2000), registry=r)
+        self.ttft = Histogram(
+            "corral_time_to_first_token_seconds",
+            "Time from request to first token",
+            ["model"],
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.tps = Histogram(
+            "corral_tokens_per_second",
+            "Decode speed per request",
+            ["model"],
+            buckets=(1, 5, 10, 20, 50, 100, 200, 500, 1000, 2000),
+            registry=r,
+        )
         self.pulled_bytes = Counter("corral_pulled_bytes", "Bytes downloaded from registries", registry=r)
         r.register(_SchedulerCollector(scheduler))
 
@@ -78,8 +95,7 @@ class _SchedulerCollector(Collector):
         yield CounterMetricFamily("corral_model_loads", "Model loads", value=c["loads"])
         yield CounterMetricFamily("corral_model_unloads", "Model unloads", value=c["unloads"])
         yield CounterMetricFamily("corral_model_evictions", "Models evicted to make room", value=c["evictions"])
-        yield CounterMetricFamily("corral_model_load_seconds", "Seconds spent loading models",
-                                  value=c["load_seconds"])
+        yield CounterMetricFamily("corral_model_load_seconds", "Seconds spent loading models", value=c["load_seconds"])
 
 
 def endpoint_of(path: str) -> str:
@@ -131,9 +147,18 @@ class Observe:
                     self.metrics.tps.labels(model).observe(info["eval_count"] / (info["eval_duration"] / 1e9))
             # values from the request are quoted where they hold spaces, "=" or quotes (so no field can be forged);
             # control characters are escaped by the log formatter (so no line can be)
-            extra = "".join(f" {k}={logs.quote(info[k])}" for k in ("model", "prompt_eval_count", "prompt_cached",
-                                                                     "eval_count") if k in info)
+            extra = "".join(
+                f" {k}={logs.quote(info[k])}"
+                for k in ("model", "prompt_eval_count", "prompt_cached", "eval_count")
+                if k in info
+            )
             if "prompt" in info:
                 extra += f" prompt={info['prompt']!r}"
-            log.info("request method=%s path=%s status=%s%s duration=%.3fs", logs.quote(scope["method"]),
-                     logs.quote(scope["path"]), info["status"], extra, seconds)
+            log.info(
+                "request method=%s path=%s status=%s%s duration=%.3fs",
+                logs.quote(scope["method"]),
+                logs.quote(scope["path"]),
+                info["status"],
+                extra,
+                seconds,
+            )

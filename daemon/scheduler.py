@@ -102,8 +102,16 @@ class _Pending:
 class Lease:
     """A hold on a loaded runner; releasing it starts the model's keep-alive timer."""
 
-    def __init__(self, scheduler: Scheduler, entry: Entry, load_duration: float, *, ref: ModelRef | None = None,
-                 spec: LoadSpec | None = None, keep_alive: float | None = None) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        entry: Entry,
+        load_duration: float,
+        *,
+        ref: ModelRef | None = None,
+        spec: LoadSpec | None = None,
+        keep_alive: float | None = None,
+    ) -> None:
         self._scheduler = scheduler
         self.entry = entry
         self.runner = entry.runner
@@ -122,8 +130,13 @@ class Lease:
     def may_retry(self, exc: BaseException) -> bool:
         """Whether a request whose runner just died can run again on a safer configuration: the runner died by
         a signal on its first decode, and the ladder of configurations has steps left to take."""
-        return (isinstance(exc, RunnerCrashed) and exc.early and exc.signal is not None
-                and self.retries < MAX_REQUEST_RETRIES and self._scheduler.fallbacks is not None)
+        return (
+            isinstance(exc, RunnerCrashed)
+            and exc.early
+            and exc.signal is not None
+            and self.retries < MAX_REQUEST_RETRIES
+            and self._scheduler.fallbacks is not None
+        )
 
     async def call(self, work: Callable[[Runner], Awaitable[T]]) -> T:
         """``work(runner)``, run again on a safer runner if this one dies by a signal on its first decode."""
@@ -200,8 +213,9 @@ class Scheduler:
             p = self._queue.get_nowait()
             if not p.future.done():
                 p.future.set_exception(SchedulerError("the server is shutting down"))
-        await asyncio.gather(*(self._unload(e, reason="shutdown") for e in list(self._loaded.values())),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(self._unload(e, reason="shutdown") for e in list(self._loaded.values())), return_exceptions=True
+        )
 
     # -- requests ----------------------------------------------------------------------------------------------
     async def acquire(self, ref: ModelRef, spec: LoadSpec, keep_alive: float | None = None) -> Lease:
@@ -259,7 +273,7 @@ class Scheduler:
     def loaded(self) -> list[dict[str, Any]]:
         """What /api/ps shows, expiring last first."""
         now_c, now_w = self._clock(), self._wall()
-        out = []
+        out: list[dict[str, Any]] = []
         for e in self._loaded.values():
             if e.refs > 0 or e.loading or e.expires_at is None:
                 remaining = e.keep_alive
@@ -317,11 +331,12 @@ class Scheduler:
         self.counters["unloads"] += 1
         if reason == "evicted":
             self.counters["evictions"] += 1
-        log.info("unload model=%s reason=%s ram=%d vram=%d", entry.ref.name, reason, entry.memory.ram,
-                 entry.memory.vram)
+        log.info(
+            "unload model=%s reason=%s ram=%d vram=%d", entry.ref.name, reason, entry.memory.ram, entry.memory.vram
+        )
         try:
             await entry.runner.close()
-        except Exception as exc:  # a dead runner is already unloaded
+        except Exception as exc:  # noqa: BLE001 - a dead runner is already unloaded
             log.warning("runner close failed model=%s error=%s", entry.ref.name, exc)
         self._changed.set()
 
@@ -363,7 +378,9 @@ class Scheduler:
                     entry.unload_when_idle = True
                     await self._wait_change()
                 continue
-            need = self._estimate(p.ref, p.spec)
+            need = await asyncio.to_thread(self._estimate, p.ref, p.spec)  # reads a GGUF header: off the loop
+            if p.future.done():
+                return
             budget = self._budget()
             decision = decide(self._views(), need, budget)
             if decision.action == "never":
@@ -393,13 +410,29 @@ class Scheduler:
         effective, note = self.fallbacks.effective(p.spec) if self.fallbacks is not None else (p.spec, None)
         now = self._clock()
         keep = p.keep_alive if p.keep_alive is not None else self.default_keep_alive
-        entry = Entry(ref=p.ref, spec=p.spec, runner=self._factory(p.ref, effective), memory=need, keep_alive=keep,
-                      loaded_at=now, last_used=now, ready=asyncio.get_running_loop().create_future(),
-                      effective=effective, fallback=note)
+        entry = Entry(
+            ref=p.ref,
+            spec=p.spec,
+            runner=self._factory(p.ref, effective),
+            memory=need,
+            keep_alive=keep,
+            loaded_at=now,
+            last_used=now,
+            ready=asyncio.get_running_loop().create_future(),
+            effective=effective,
+            fallback=note,
+        )
         self._loaded[p.ref.key] = entry
         started = time.monotonic()
-        log.info("load model=%s num_ctx=%d num_gpu=%d ram=%d vram=%d%s", p.ref.name, effective.num_ctx,
-                 effective.num_gpu, need.ram, need.vram, f" config=\"{note}\"" if note else "")
+        log.info(
+            "load model=%s num_ctx=%d num_gpu=%d ram=%d vram=%d%s",
+            p.ref.name,
+            effective.num_ctx,
+            effective.num_gpu,
+            need.ram,
+            need.vram,
+            f' config="{note}"' if note else "",
+        )
         while True:
             try:
                 await entry.runner.start()
@@ -419,7 +452,7 @@ class Scheduler:
                 self._changed.set()
                 if isinstance(exc, asyncio.CancelledError):
                     raise
-                if (isinstance(exc, LoadFailed) and exc.signal is not None and self.fallbacks is not None):
+                if isinstance(exc, LoadFailed) and exc.signal is not None and self.fallbacks is not None:
                     exc = self.fallbacks.give_up(p.spec, p.ref.name, exc.signal)
                 if not p.future.done():
                     p.future.set_exception(exc if isinstance(exc, CorralError) else RunnerError(str(exc)))
@@ -437,8 +470,9 @@ class Scheduler:
         entry.loading = False
         assert entry.ready is not None
         entry.ready.set_result(None)
-        log.info("loaded model=%s seconds=%.2f ram=%d vram=%d", p.ref.name, seconds, entry.memory.ram,
-                 entry.memory.vram)
+        log.info(
+            "loaded model=%s seconds=%.2f ram=%d vram=%d", p.ref.name, seconds, entry.memory.ram, entry.memory.vram
+        )
         if p.future.done():  # the client left while we loaded: keep it warm for the keep-alive
             entry.refs += 1
             self._release(entry)
@@ -454,8 +488,12 @@ class Scheduler:
         what = f"killed by {signal_name(exc.signal)} during {exc.stage}"
         step = self.fallbacks.failed(entry.loaded_spec, what)
         if step is None:
-            log.warning("runner crashed model=%s %s config=\"%s\"; no safer configuration left", entry.ref.name,
-                        what, entry.loaded_spec)
+            log.warning(
+                'runner crashed model=%s %s config="%s"; no safer configuration left',
+                entry.ref.name,
+                what,
+                entry.loaded_spec,
+            )
             return None
         log.warning("runner crashed model=%s %s; loading it again with %s", entry.ref.name, what, step[1])
         self.counters["fallbacks"] = self.counters.get("fallbacks", 0) + 1
@@ -471,8 +509,12 @@ class Scheduler:
             return  # another request on the same runner reported it already
         what = f"killed by {signal_name(exc.signal)} on its first decode"
         step = self.fallbacks.failed(spec, what)
-        log.warning("runner crashed model=%s %s; %s", entry.ref.name, what,
-                    f"loading it again with {step[1]}" if step else "no safer configuration left")
+        log.warning(
+            "runner crashed model=%s %s; %s",
+            entry.ref.name,
+            what,
+            f"loading it again with {step[1]}" if step else "no safer configuration left",
+        )
         if step is None:
             self.fallbacks.give_up(entry.spec, entry.ref.name, exc.signal)
 

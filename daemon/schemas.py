@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+#: A token id as llama.cpp holds one (llama_token is an int32; ids are never negative). Larger numbers are refused
+#: here rather than wrapped around on their way into a batch; the runner checks each id against the vocabulary.
+TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
 
 
 class Wire(BaseModel):
@@ -51,6 +55,9 @@ class CreateRequest(NamedRequest):
     messages: list[Message] | None = None
     quantize: StrictStr | None = None
     quantization: StrictStr | None = None
+    requires: StrictStr | None = None  # REQUIRES: the minimum Ollama version the model needs
+    renderer: StrictStr | None = None  # RENDERER: the built-in prompt renderer named in the config
+    parser: StrictStr | None = None  # PARSER: the built-in output parser named in the config
     stream: StrictBool = True
 
 
@@ -92,7 +99,7 @@ class GenerateRequestBody(InferenceRequest):
     suffix: StrictStr = ""
     system: StrictStr | None = None
     template: StrictStr | None = None
-    context: list[int] | None = None
+    context: list[TokenId] | None = None
     raw: StrictBool = False
     images: list[StrictStr] | None = None
 

@@ -139,8 +139,10 @@ class _Gate:
             victim = next(iter(self.idle), None)
             if victim is None:
                 self.open.discard(proto)
-                log.warning("connection limit reached: %d connections open and all busy; refusing new connections",
-                            len(self.open))
+                log.warning(
+                    "connection limit reached: %d connections open and all busy; refusing new connections",
+                    len(self.open),
+                )
                 return False
             self._evict(victim)
             evicted += 1
@@ -209,8 +211,9 @@ class _Protocol(H11Protocol):
         self._update()
         if self._phase == "body" and before == "body":
             limits = self.gate.limits
-            self._deadline = min(self._deadline + len(data) / limits.body_min_rate,
-                                 self.loop.time() + limits.body_timeout)
+            self._deadline = min(
+                self._deadline + len(data) / limits.body_min_rate, self.loop.time() + limits.body_timeout
+            )
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -259,8 +262,11 @@ class _Protocol(H11Protocol):
         limits = self.gate.limits
         if self._phase == "body":
             cycle = self.cycle
-            if cycle is not None and not cycle.response_complete and (
-                    self.flow.read_paused or cycle.waiting_for_100_continue):
+            if (
+                cycle is not None
+                and not cycle.response_complete
+                and (self.flow.read_paused or cycle.waiting_for_100_continue)
+            ):
                 # the daemon is holding the body back, not the client
                 self._deadline = max(self._deadline, now + limits.body_timeout)
         if now < self._deadline:
@@ -270,8 +276,7 @@ class _Protocol(H11Protocol):
         if self._phase == "head":
             log.debug("closing a connection that sent no complete request head within %gs", limits.header_timeout)
         else:
-            log.debug("closing a connection whose request body came slower than %g bytes/s",
-                      limits.body_min_rate)
+            log.debug("closing a connection whose request body came slower than %g bytes/s", limits.body_min_rate)
         self.gate.forget(self)
         self.transport.close()
 
@@ -296,8 +301,13 @@ class _Server(uvicorn.Server):
         if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE) and "socket" in context:
             shed = self.gate.out_of_descriptors(loop.time(), _soft_open_file_limit())
             if shed is not None:
-                log.error("out of file descriptors accepting connections (%s); closed %d idle connections, keeping at "
-                          "most %d from now on", exc.strerror, shed[0], shed[1])
+                log.error(
+                    "out of file descriptors accepting connections (%s); closed %d idle connections, keeping at "
+                    "most %d from now on",
+                    exc.strerror,
+                    shed[0],
+                    shed[1],
+                )
             return
         # After each failed accept asyncio schedules a retry of the listener (one per connection it tried that
         # round: thousands); those still pending at shutdown find the listening socket closed and fail. Noise.
@@ -312,8 +322,15 @@ def make_server(app: Any, *, limits: Limits, debug: int = 0) -> _Server:
     protocol = type("CorralH11Protocol", (_Protocol,), {"gate": gate})
     # ws="none": the API has no WebSocket routes, and an upgraded connection would leave the gate's count
     keep_alive: Any = limits.keep_alive  # uvicorn types it as int; a float works (tests use fractions)
-    config = uvicorn.Config(app, http=protocol, ws="none", log_config=None, access_log=debug > 0,
-                            timeout_graceful_shutdown=10, timeout_keep_alive=keep_alive)
+    config = uvicorn.Config(
+        app,
+        http=protocol,
+        ws="none",
+        log_config=None,
+        access_log=debug > 0,
+        timeout_graceful_shutdown=10,
+        timeout_keep_alive=keep_alive,
+    )
     server = _Server(config)
     server.gate = gate
     return server
@@ -336,8 +353,7 @@ def serve(settings: Settings, *, insecure: bool = False) -> int:
     store.lock()
     try:
         sock = bind(settings)
-        log.info("listening address=%s models=%s max_connections=%d", settings.host, store.root,
-                 limits.max_connections)
+        log.info("listening address=%s models=%s max_connections=%d", settings.host, store.root, limits.max_connections)
         app = create_app(settings, store=store)
         make_server(app, limits=limits, debug=settings.debug).run(sockets=[sock])
     finally:

@@ -36,16 +36,32 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
     "CORRAL_LOG_PROMPTS": ("log each request's prompt (off: prompts are private)", "false"),
     "CORRAL_API_KEY": ("require this key (Authorization: Bearer or x-api-key) on every request", ""),
     "CORRAL_API_KEY_FILE": ("read the API key from this file instead (first line)", ""),
-    "CORRAL_REGISTRY_AUTH": ("registry credentials file (docker config.json format) for login, pull and push",
-                             "<user config dir>/corral/auth.json, then ~/.docker/config.json"),
+    "CORRAL_REGISTRY_AUTH": (
+        "registry credentials file (docker config.json format) for login, pull and push",
+        "<user config dir>/corral/auth.json, then ~/.docker/config.json",
+    ),
     "CORRAL_RAM_BUDGET": ("bytes of RAM loaded models may use, e.g. 8GiB", "free RAM less a reserve"),
     "CORRAL_VRAM_BUDGET": ("bytes of VRAM loaded models may use, e.g. 20GiB", "free VRAM less a reserve"),
-    "CORRAL_CONTEXT_LENGTH": ("default num_ctx when neither the request nor the Modelfile sets one; 0 = automatic "
-                              "(4096, 32768 with 23 GiB of VRAM, 262144 with 47 GiB)", "0"),
-    "CORRAL_FLASH_ATTENTION": ("flash attention: true or false; unset = llama.cpp decides (on with a quantized "
-                               "KV cache)", "auto"),
-    "CORRAL_KV_CACHE_TYPE": ("KV cache type: f16, q8_0 (about half the memory) or q4_0 (about a quarter); "
-                             "quantized types need flash attention", "f16"),
+    "CORRAL_CONTEXT_LENGTH": (
+        "default num_ctx when neither the request nor the Modelfile sets one; 0 = automatic "
+        "(4096, 32768 with 23 GiB of VRAM, 262144 with 47 GiB)",
+        "0",
+    ),
+    "CORRAL_FLASH_ATTENTION": (
+        "flash attention: true or false; unset = llama.cpp decides (on with a quantized KV cache)",
+        "auto",
+    ),
+    "CORRAL_KV_CACHE_TYPE": (
+        "KV cache type: f16, q8_0 (about half the memory) or q4_0 (about a quarter); "
+        "quantized types need flash attention",
+        "f16",
+    ),
+    "CORRAL_LOAD_TIMEOUT": (
+        "a model load fails after this long without progress: 5m, 30s, seconds; 0 or negative = wait forever",
+        "5m",
+    ),
+    "CORRAL_PRELOAD": ("models to load in the background at startup, comma-separated", ""),
+    "CORRAL_PULL_BANDWIDTH": ("most bytes per second all pulls together may download, e.g. 10MB; 0 = no limit", "0"),
 }
 
 KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
@@ -130,9 +146,26 @@ def parse_host(raw: str | None) -> Host:
 
 
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-          "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "ki": 1024,
+    "mi": 1024**2,
+    "gi": 1024**3,
+    "ti": 1024**4,
+}
 
 
 def parse_bytes(text: str, what: str = "size") -> int:
@@ -150,7 +183,7 @@ _DUR_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60
 def parse_duration(value: object, what: str = "keep_alive") -> float:
     """Seconds from a JSON number (seconds) or a Go duration string; negative -> math.inf."""
     if isinstance(value, bool):
-        raise SettingsError(f"{what} must be a duration like \"5m\" or a number of seconds")
+        raise SettingsError(f'{what} must be a duration like "5m" or a number of seconds')
     if isinstance(value, (int, float)):
         seconds = float(value)
     elif isinstance(value, str):
@@ -172,7 +205,7 @@ def parse_duration(value: object, what: str = "keep_alive") -> float:
                 )
             seconds = sign * total
     else:
-        raise SettingsError(f"{what} must be a duration like \"5m\" or a number of seconds")
+        raise SettingsError(f'{what} must be a duration like "5m" or a number of seconds')
     if math.isnan(seconds):
         raise SettingsError(f"{what} must be a number")
     return math.inf if seconds < 0 else seconds
@@ -187,6 +220,20 @@ def _unquote(raw: str) -> str:
     return raw.strip().strip("\"'").strip()
 
 
+def parse_load_timeout(raw: str) -> float:
+    """``CORRAL_LOAD_TIMEOUT`` (as ``OLLAMA_LOAD_TIMEOUT``): a duration or seconds; unset = 5m; 0 or less = forever."""
+    text = _unquote(raw)
+    if not text:
+        return 300.0
+    try:
+        seconds = float(text)  # a bare number is seconds
+    except ValueError:
+        seconds = parse_duration(text, "CORRAL_LOAD_TIMEOUT")
+    if math.isnan(seconds):
+        raise SettingsError("CORRAL_LOAD_TIMEOUT must be a duration like 5m or a number of seconds")
+    return math.inf if seconds <= 0 else seconds
+
+
 def parse_context_length(raw: str) -> int:
     """``CORRAL_CONTEXT_LENGTH``: a number of tokens; empty or 0 = automatic (see :func:`default_context_length`)."""
     s = _unquote(raw)
@@ -197,8 +244,10 @@ def parse_context_length(raw: str) -> int:
     except ValueError:
         value = -1
     if not 0 <= value <= MAX_CONTEXT_LENGTH:
-        raise SettingsError(f'CORRAL_CONTEXT_LENGTH="{raw}" is not valid; use a number of tokens from 1 to '
-                            f"{MAX_CONTEXT_LENGTH} (e.g. 8192), or 0 for automatic")
+        raise SettingsError(
+            f'CORRAL_CONTEXT_LENGTH="{raw}" is not valid; use a number of tokens from 1 to '
+            f"{MAX_CONTEXT_LENGTH} (e.g. 8192), or 0 for automatic"
+        )
     return value
 
 
@@ -212,8 +261,10 @@ def parse_flash_attention(raw: str) -> str:
         return "on"
     if s in ("0", "f", "false", "off", "no"):
         return "off"
-    raise SettingsError(f'CORRAL_FLASH_ATTENTION="{raw}" is not valid; use true (1) or false (0), '
-                        "or leave it unset to let llama.cpp decide")
+    raise SettingsError(
+        f'CORRAL_FLASH_ATTENTION="{raw}" is not valid; use true (1) or false (0), '
+        "or leave it unset to let llama.cpp decide"
+    )
 
 
 def parse_kv_cache_type(raw: str) -> str:
@@ -291,6 +342,9 @@ class Settings:
     context_length: int = 0  # 0 = automatic by VRAM (default_context_length)
     flash_attention: str = "auto"  # "auto", "on" or "off"
     kv_cache_type: str = "f16"  # f16, q8_0 or q4_0
+    load_timeout: float = 300.0  # seconds without load progress before a load fails; math.inf = forever
+    preload: tuple[str, ...] = ()  # models loaded in the background at startup
+    pull_bandwidth: int = 0  # bytes per second across all pulls; 0 = no limit
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -308,9 +362,11 @@ class Settings:
         kv_type = parse_kv_cache_type(environ.get("CORRAL_KV_CACHE_TYPE", ""))
         if kv_type != "f16" and flash == "off":
             # llama.cpp cannot hold a quantized V cache without flash attention: refuse now, not at every load
-            raise SettingsError(f"CORRAL_KV_CACHE_TYPE={kv_type} needs flash attention, but "
-                                f"CORRAL_FLASH_ATTENTION={get('CORRAL_FLASH_ATTENTION')} turns it off; unset "
-                                "CORRAL_FLASH_ATTENTION or use CORRAL_KV_CACHE_TYPE=f16")
+            raise SettingsError(
+                f"CORRAL_KV_CACHE_TYPE={kv_type} needs flash attention, but "
+                f"CORRAL_FLASH_ATTENTION={get('CORRAL_FLASH_ATTENTION')} turns it off; unset "
+                "CORRAL_FLASH_ATTENTION or use CORRAL_KV_CACHE_TYPE=f16"
+            )
         return cls(
             host=parse_host(get("CORRAL_HOST")),
             models=Path(models).expanduser() if models else default_models_dir(),
@@ -329,6 +385,11 @@ class Settings:
             context_length=parse_context_length(environ.get("CORRAL_CONTEXT_LENGTH", "")),
             flash_attention=flash,
             kv_cache_type=kv_type,
+            load_timeout=parse_load_timeout(get("CORRAL_LOAD_TIMEOUT")),
+            preload=tuple(n.strip() for n in get("CORRAL_PRELOAD").split(",") if n.strip()),
+            pull_bandwidth=parse_bytes(get("CORRAL_PULL_BANDWIDTH"), "CORRAL_PULL_BANDWIDTH")
+            if get("CORRAL_PULL_BANDWIDTH")
+            else 0,
         )
 
 

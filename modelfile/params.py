@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import re
 from collections.abc import Mapping
 from typing import TypeAlias
@@ -11,6 +12,7 @@ from typing import TypeAlias
 from modelfile.errors import ParameterError
 
 OptionValue: TypeAlias = int | float | bool | str | list[str]
+ParameterValue: TypeAlias = int | float | bool | str  # one PARAMETER line's value (stop lines are one string each)
 
 #: Current option names and their types; ``list`` means a list of strings (only ``stop``).
 OPTION_TYPES: dict[str, type] = {
@@ -48,7 +50,8 @@ DEPRECATED_OPTIONS: dict[str, type] = {
     "mirostat_eta": float,
 }
 
-#: Ollama's built-in defaults (options that are unset by default are absent).
+#: Ollama's built-in defaults, as in the newest Ollama's api/types.go DefaultOptions (options that are unset by
+#: default are absent). repeat_penalty is 1.0 (off) since Ollama v0.32.x; it was 1.1 before.
 DEFAULT_OPTIONS: dict[str, OptionValue] = {
     "num_ctx": 4096,
     "num_batch": 512,
@@ -63,7 +66,7 @@ DEFAULT_OPTIONS: dict[str, OptionValue] = {
     "typical_p": 1.0,
     "repeat_last_n": 64,
     "temperature": 0.8,
-    "repeat_penalty": 1.1,
+    "repeat_penalty": 1.0,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
 }
@@ -73,7 +76,76 @@ FALSE_WORDS = frozenset({"0", "f", "F", "FALSE", "false", "False"})
 _INT = re.compile(r"[+-]?[0-9]+\Z")
 _FLOAT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\Z")
 _INT64 = (-(2**63), 2**63 - 1)
-_TYPE_WORDS = {int: "an integer", float: "a float", bool: "a boolean (true or false)", str: "a string", list: "a string"}
+_TYPE_WORDS = {
+    int: "an integer",
+    float: "a float",
+    bool: "a boolean (true or false)",
+    str: "a string",
+    list: "a string",
+}
+
+
+#: num_thread above this many threads per logical CPU only oversubscribes the machine (llama.cpp spins a thread per
+#: count), so it is refused; 0 means automatic
+THREADS_PER_CPU = 4
+
+#: (lowest, highest, why) of each numeric option; None: no bound on that side. Checked on every value that enters
+#: (API options, /api/create parameters, a model's stored parameters); num_thread's top bound is the machine's.
+RANGES: dict[str, tuple[float | None, float | None, str]] = {
+    "num_ctx": (1, 1 << 24, "must be between 1 and 16777216"),
+    "num_batch": (1, 1 << 20, "must be between 1 and 1048576"),
+    "num_gpu": (-1, None, "must be -1 (automatic) or a layer count"),
+    "main_gpu": (0, None, "must not be negative"),
+    "num_keep": (-1, None, "must be -1 or more"),
+    "num_predict": (-2, None, "must be -1 (no limit) or more"),
+    "top_k": (0, None, "must not be negative"),
+    "top_p": (0, 1, "must be between 0 and 1"),
+    "min_p": (0, 1, "must be between 0 and 1"),
+    "typical_p": (0, 1, "must be between 0 and 1"),
+    "repeat_last_n": (-1, None, "must be -1 (the whole context), 0 (off) or more"),
+    "temperature": (0, None, "must not be negative"),
+}
+
+
+def max_num_thread() -> int:
+    """The largest num_thread accepted on this machine: ``THREADS_PER_CPU`` per logical CPU."""
+    return THREADS_PER_CPU * (os.cpu_count() or 1)
+
+
+def check_value(name: str, value: object) -> None:
+    """Refuse a typed option value outside its range (a ParameterError naming the option and the value)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ParameterError(name, f'option "{name}" must be a finite number, got {_show(value)}')
+    if name == "repeat_penalty" and not value > 0:
+        raise ParameterError(name, f'option "repeat_penalty" must be above 0 (1 is off), got {_show(value)}')
+    if name == "num_thread":
+        top = max_num_thread()
+        if not 0 <= value <= top:
+            raise ParameterError(
+                name,
+                f'option "num_thread" must be between 0 (automatic) and {top} ({THREADS_PER_CPU} per logical '
+                f"CPU; this machine has {os.cpu_count() or 1} logical CPUs), got {_show(value)}",
+            )
+        return
+    bounds = RANGES.get(name)
+    if bounds is None:
+        return
+    low, high, why = bounds
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ParameterError(name, f'option "{name}" {why}, got {_show(value)}')
+
+
+def check_deprecated(name: str, value: object) -> None:
+    """The deprecated mirostat options are ignored (as Ollama does) but must still be sane: mirostat 0, 1 or 2;
+    mirostat_tau and mirostat_eta finite and above 0."""
+    if name == "mirostat":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value not in (0, 1, 2):
+            raise ParameterError(name, f'option "mirostat" must be 0 (off), 1 or 2, got {_show(value)}')
+    elif name in ("mirostat_tau", "mirostat_eta"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not value > 0:
+            raise ParameterError(name, f'option "{name}" must be a finite number above 0, got {_show(value)}')
 
 
 def did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:
@@ -88,14 +160,15 @@ def is_deprecated(name: str) -> bool:
     return name in DEPRECATED_OPTIONS
 
 
-def coerce_parameter(name: str, raw: str) -> OptionValue:
+def coerce_parameter(name: str, raw: str) -> ParameterValue:
     """Type the text of ``PARAMETER <name> <raw>``; deprecated names keep their raw text."""
     kind = OPTION_TYPES.get(name)
     if kind is None:
         if name in DEPRECATED_OPTIONS:
+            _check_deprecated_text(name, raw)
             return raw
         raise ParameterError(name, f'unknown parameter "{name}"' + did_you_mean(name, list(OPTION_TYPES)), unknown=True)
-    value: OptionValue | None = None
+    value: ParameterValue | None = None
     if kind is bool:
         value = True if raw in TRUE_WORDS else False if raw in FALSE_WORDS else None
     elif kind is int:
@@ -109,6 +182,21 @@ def coerce_parameter(name: str, raw: str) -> OptionValue:
     if value is None:
         raise ParameterError(name, f'parameter "{name}" needs {_TYPE_WORDS[kind]}, got "{raw}"')
     return value
+
+
+def _check_deprecated_text(name: str, raw: str) -> None:
+    kind = DEPRECATED_OPTIONS[name]
+    if name not in ("mirostat", "mirostat_tau", "mirostat_eta"):
+        return
+    value: float | int | None = None
+    if kind is int and _INT.match(raw):
+        value = int(raw)
+    elif kind is float and _FLOAT.match(raw):
+        value = float(raw)
+    try:
+        check_deprecated(name, raw if value is None else value)
+    except ParameterError as exc:
+        raise ParameterError(name, exc.message.replace(f'option "{name}"', f'parameter "{name}"', 1)) from None
 
 
 def format_parameter(value: object) -> str:
@@ -128,11 +216,17 @@ def validate_options(options: Mapping[str, object], *, ignore_unknown: bool = Fa
             continue
         kind = OPTION_TYPES.get(key) if isinstance(key, str) else None
         if kind is None:
-            if ignore_unknown or key in DEPRECATED_OPTIONS:
+            if key in DEPRECATED_OPTIONS:
+                check_deprecated(key, value)  # ignored, but never nonsense
+                continue
+            if ignore_unknown:
                 continue
             name = str(key)
-            raise ParameterError(name, f'unknown option "{name}"' + did_you_mean(name, list(OPTION_TYPES)), unknown=True)
-        out[key] = _json_value(key, kind, value)
+            raise ParameterError(
+                name, f'unknown option "{name}"' + did_you_mean(name, list(OPTION_TYPES)), unknown=True
+            )
+        out[key] = typed = _json_value(key, kind, value)
+        check_value(key, typed)
     return out
 
 

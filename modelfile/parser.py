@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from modelfile.ast import INSTRUCTIONS, ROLES, From, Instruction, Message, Modelfile, Parameter
 from modelfile.errors import ModelfileError, ParameterError
@@ -77,13 +78,18 @@ def read_value(lines: list[Line], i: int, p: int, filename: str) -> tuple[str, i
             j += 1
             if j == len(lines):
                 line, col = lines[i].number, lines[i].col(p)
-                raise ModelfileError(filename, line, col, f"unterminated {quote} string starting at line {line}, "
-                                     f"column {col}: no closing {quote} before the end of the file")
+                raise ModelfileError(
+                    filename,
+                    line,
+                    col,
+                    f"unterminated {quote} string starting at line {line}, "
+                    f"column {col}: no closing {quote} before the end of the file",
+                )
             if lines[j].text.rstrip(" \t").endswith(quote):
                 break
         pieces = [rest] + [lines[k - 1].end + lines[k].text for k in range(i + 1, j + 1)]
         body = "".join(pieces).rstrip(" \t")
-    return body[len(quote):-len(quote)], j + 1
+    return body[len(quote) : -len(quote)], j + 1
 
 
 def check_value(keyword: str, value: str) -> str | None:
@@ -119,7 +125,9 @@ def parse(text: str | bytes, filename: str = "Modelfile") -> Modelfile:
         ins, i = _instruction(lines, i, p, filename)
         out.append(ins)
     if not any(isinstance(ins, From) for ins in out):
-        raise ModelfileError(filename, 1, 1, "no FROM line: a Modelfile needs a FROM line naming a model or a GGUF file")
+        raise ModelfileError(
+            filename, 1, 1, "no FROM line: a Modelfile needs a FROM line naming a model or a GGUF file"
+        )
     return Modelfile(tuple(out))
 
 
@@ -147,7 +155,8 @@ def _instruction(lines: list[Line], i: int, p: int, filename: str) -> tuple[Inst
         problem = check_value(kw, value)
         if problem:
             raise fail(r, problem)
-        return INSTRUCTIONS[kw](value, **where), nxt  # type: ignore[call-arg]
+        make: Any = INSTRUCTIONS[kw]  # every instruction but PARAMETER and MESSAGE is (value, line, column)
+        return make(value, **where), nxt
     q = _token_end(s, r)
     name = s[r:q]
     v = _skip(s, q)
@@ -165,10 +174,10 @@ def _instruction(lines: list[Line], i: int, p: int, filename: str) -> tuple[Inst
         raise fail(r, f'parameter "{name}" needs a value after its name')
     raw, nxt = read_value(lines, i, v, filename)
     try:
-        value = coerce_parameter(name, raw)
+        typed = coerce_parameter(name, raw)
     except ParameterError as exc:
         raise fail(v, exc.message) from None
-    return Parameter(name, value, **where), nxt  # type: ignore[arg-type]
+    return Parameter(name, typed, **where), nxt
 
 
 def _unknown(word: str) -> str:
@@ -191,9 +200,12 @@ def _decode(data: bytes, filename: str) -> str:
     except UnicodeDecodeError as exc:
         before = split_lines(body[: exc.start].decode(encoding, errors="replace"))
         label = "UTF-8" if encoding == "utf-8" else "UTF-16"
-        raise ModelfileError(filename, before[-1].number, before[-1].width + 1,
-                             f"the file is not valid {label} (bad bytes {body[exc.start:exc.end].hex(' ')}); "
-                             "save it as UTF-8") from None
+        raise ModelfileError(
+            filename,
+            before[-1].number,
+            before[-1].width + 1,
+            f"the file is not valid {label} (bad bytes {body[exc.start : exc.end].hex(' ')}); save it as UTF-8",
+        ) from None
 
 
 def _skip(s: str, p: int) -> int:

@@ -20,7 +20,9 @@ def render(m: Modelfile, filename: str = "Modelfile") -> str:
         out.append(text)
         line += len(split_lines(text))
     if not any(isinstance(ins, From) for ins in m.instructions):
-        raise ModelfileError(filename, 1, 1, "no FROM line: a Modelfile needs a FROM line naming a model or a GGUF file")
+        raise ModelfileError(
+            filename, 1, 1, "no FROM line: a Modelfile needs a FROM line naming a model or a GGUF file"
+        )
     return "".join(t + "\n" for t in out)
 
 
@@ -51,9 +53,10 @@ def _instruction(ins: Instruction) -> str:
             raise ValueError(problem)
         head, value = f"MESSAGE {ins.role}", ins.content
     else:
-        value = getattr(ins, "value", None)
-        if not ins.keyword or not isinstance(value, str):
+        raw = getattr(ins, "value", None)
+        if not ins.keyword or not isinstance(raw, str):
             raise ValueError(f"cannot render {ins!r}")
+        value = raw
         problem = check_value(ins.keyword, value)
         if problem:
             raise ValueError(problem)

@@ -158,7 +158,8 @@ def _write_doc(path: Path, doc: dict[str, Any]) -> None:
 def save(host: str, creds: Credentials, path: Path) -> None:
     """Store ``creds`` for ``host`` in ``path`` (mode 0600), keeping every other entry and key."""
     doc = _read_doc(path)
-    auths = doc.get("auths") if isinstance(doc.get("auths"), dict) else {}
+    found = doc.get("auths")
+    auths: dict[str, Any] = found if isinstance(found, dict) else {}
     key = registry_key(host)
     auths = {k: v for k, v in auths.items() if registry_key(k) != key}
     auths[key] = {"auth": base64.b64encode(f"{creds.username}:{creds.password}".encode()).decode()}
@@ -169,7 +170,8 @@ def save(host: str, creds: Credentials, path: Path) -> None:
 def remove(host: str, path: Path) -> bool:
     """Forget ``host`` in ``path``; False if there was nothing to forget."""
     doc = _read_doc(path)
-    auths = doc.get("auths") if isinstance(doc.get("auths"), dict) else {}
+    found = doc.get("auths")
+    auths: dict[str, Any] = found if isinstance(found, dict) else {}
     key = registry_key(host)
     kept = {k: v for k, v in auths.items() if registry_key(k) != key}
     if len(kept) == len(auths):

@@ -102,6 +102,39 @@ def plan_parts(total: int, tuning: Tuning) -> list[Part]:
     return [Part(offset, min(size, total - offset)) for offset in range(0, total, size)]
 
 
+class Bandwidth:
+    """A token bucket shared by every part of every pull: at most ``rate`` bytes per second in all
+    (``CORRAL_PULL_BANDWIDTH``). A reader takes tokens for the bytes it just received and sleeps off any debt, so
+    waiting readers are served in the order they came; unused allowance is saved up for at most ``burst`` seconds."""
+
+    def __init__(self, rate: int, *, burst: float = 0.25) -> None:
+        if rate <= 0:
+            raise ValueError("rate must be positive")
+        self.rate = rate
+        self.capacity = rate * burst
+        self._tokens = 0.0
+        self._last = time.monotonic()
+        self._lock = threading.Lock()
+
+    def chunk(self, size: int) -> int:
+        """How much one read may ask for: small enough (an eighth of a second's allowance, at least 16 KiB) that
+        the bytes arrive evenly rather than in bursts a second apart."""
+        return max(16 * 1024, min(size, self.rate // 8))
+
+    def take(self, n: int, stop: threading.Event | None = None) -> None:
+        """Account for ``n`` bytes; wait until the rate allows them (or ``stop`` is set)."""
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.capacity, self._tokens + (now - self._last) * self.rate) - n
+            self._last = now
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+        if wait > 0:
+            if stop is not None:
+                stop.wait(wait)
+            else:
+                time.sleep(wait)
+
+
 class Cancelled(CorralError):
     """Every pull waiting on the download went away."""
 
@@ -116,9 +149,19 @@ class _Restart(Exception):
 class Download:
     """One blob being fetched into the store. Thread-safe; :meth:`start` runs it in a thread of its own."""
 
-    def __init__(self, store: Store, digest: Digest, size: int, remote: RegistryClient, *,
-                 tuning: Tuning | None = None, on_bytes: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        digest: Digest,
+        size: int,
+        remote: RegistryClient,
+        *,
+        tuning: Tuning | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+        limiter: Bandwidth | None = None,
+    ) -> None:
         self.store = store
+        self.limiter = limiter  # CORRAL_PULL_BANDWIDTH, shared with every other download; None: no limit
         self.digest = digest
         self.total = size
         self.remote = remote.retain()
@@ -174,8 +217,14 @@ class Download:
         started = time.monotonic()
         try:
             self._download()
-            log.info("blob downloaded digest=%s bytes=%d fetched=%d resumed=%d seconds=%.2f", self.digest,
-                     self.total, self.fetched, self.resumed, time.monotonic() - started)
+            log.info(
+                "blob downloaded digest=%s bytes=%d fetched=%d resumed=%d seconds=%.2f",
+                self.digest,
+                self.total,
+                self.fetched,
+                self.resumed,
+                time.monotonic() - started,
+            )
         except BaseException as exc:  # noqa: BLE001 - every outcome is reported to the waiting pulls
             self.error = exc
             if self.completed == 0:
@@ -217,8 +266,9 @@ class Download:
 
         What the file holds is discarded (its bytes are overwritten from the start and hashed by a new hasher), and
         the state saying so is written before the first new byte, so a pull stopped now starts from 0 too."""
-        log.warning("registry ignores Range requests; downloading blob %s again from byte 0 in one stream",
-                    self.digest.short)
+        log.warning(
+            "registry ignores Range requests; downloading blob %s again from byte 0 in one stream", self.digest.short
+        )
         with self.cond:
             self.parts = [Part(0, self.total)] if self.total else []
             self.completed = self.resumed = 0
@@ -268,8 +318,7 @@ class Download:
         if not (sound and offset == self.total and data_size == self.total):
             log.warning("discarding unusable partial download digest=%s", self.digest)
             return None
-        log.info("resuming download digest=%s have=%d of %d", self.digest, sum(p.completed for p in parts),
-                 self.total)
+        log.info("resuming download digest=%s have=%d of %d", self.digest, sum(p.completed for p in parts), self.total)
         return parts
 
     def _save(self, *, force: bool = False) -> None:
@@ -280,8 +329,11 @@ class Download:
             return  # another thread is saving right now
         try:
             with self.cond:
-                doc = {"digest": str(self.digest), "total": self.total,
-                       "parts": [[p.offset, p.size, p.completed] for p in self.parts]}
+                doc = {
+                    "digest": str(self.digest),
+                    "total": self.total,
+                    "parts": [[p.offset, p.size, p.completed] for p in self.parts],
+                }
             self.store.write_partial_state(self.digest, json.dumps(doc, separators=(",", ":")).encode())
             self._last_save = now
         finally:
@@ -295,8 +347,10 @@ class Download:
         result: dict[str, str | None] = {}
         hasher = threading.Thread(target=self._hash, args=(result,), name=f"hash-{self.digest.short}", daemon=True)
         hasher.start()
-        workers = [threading.Thread(target=self._worker, args=(i == 0,), name=f"part-{self.digest.short}-{i}",
-                                    daemon=True) for i in range(n if pending else 0)]
+        workers = [
+            threading.Thread(target=self._worker, args=(i == 0,), name=f"part-{self.digest.short}-{i}", daemon=True)
+            for i in range(n if pending else 0)
+        ]
         for w in workers:
             w.start()
         while any(w.is_alive() for w in workers):
@@ -329,6 +383,8 @@ class Download:
         A part that has run ``laggard_after`` seconds below ``laggard_ratio`` of the median rate of the parts
         running and the last ones finished is cut off; its worker opens a new connection from where it got to
         (counted as a stall)."""
+        if self.limiter is not None:
+            return  # rates under a bandwidth cap say nothing about a connection
         now = time.monotonic()
         with self.cond:
             readers = list(self._readers)
@@ -337,10 +393,14 @@ class Download:
             return
         median = rates[len(rates) // 2]
         for r in readers:
-            if (not r.laggard and now - r.opened >= self.tuning.laggard_after
-                    and r.rate(now) < self.tuning.laggard_ratio * median):
-                log.info("restarting a slow part digest=%s rate=%.0f median=%.0f", self.digest.short, r.rate(now),
-                         median)
+            if (
+                not r.laggard
+                and now - r.opened >= self.tuning.laggard_after
+                and r.rate(now) < self.tuning.laggard_ratio * median
+            ):
+                log.info(
+                    "restarting a slow part digest=%s rate=%.0f median=%.0f", self.digest.short, r.rate(now), median
+                )
                 r.drop_as_laggard()
 
     # -- workers ------------------------------------------------------------------------------------------------
@@ -376,11 +436,21 @@ class Download:
     def _fetch_part(self, part: Part, view: memoryview) -> None:
         retries = stalls = 0
         t = self.tuning
+        limiter = self.limiter
+        if limiter is not None:
+            view = view[: limiter.chunk(len(view))]
         while not part.done and not self._stop.is_set():
             progressed = False
             try:
-                reader = open_range(self.remote, self._url, self.digest, part.offset + part.completed, part.end,
-                                    self.total, timeout=t.read_timeout)
+                reader = open_range(
+                    self.remote,
+                    self._url,
+                    self.digest,
+                    part.offset + part.completed,
+                    part.end,
+                    self.total,
+                    timeout=t.read_timeout,
+                )
                 if reader.url != self._url:
                     self._url = str(reader.url)
                 self._resolved.set()
@@ -392,6 +462,8 @@ class Download:
                         n = reader.transfer(self._fd, part.offset + part.completed, view)
                         progressed = True
                         self._advance(part, n)
+                        if limiter is not None:
+                            limiter.take(n, self._stop)
                     reader.finish()
                 except RegistryProtocolError:
                     # the answer was not what its headers said: none of its bytes count (the next pull fetches
@@ -409,8 +481,9 @@ class Download:
                 if self._stop.is_set():
                     return
                 if stalls > t.max_stalls:
-                    raise RegistryUnreachable(f"downloading blob {self.digest.short} stalled {stalls} times: {exc}") \
-                        from exc
+                    raise RegistryUnreachable(
+                        f"downloading blob {self.digest.short} stalled {stalls} times: {exc}"
+                    ) from exc
                 log.info("part stalled, restarting digest=%s offset=%d", self.digest.short, part.offset)
             except (Transient, Rejected) as exc:
                 if self._stop.is_set():
@@ -422,18 +495,25 @@ class Download:
                     raise RegistryUnreachable(
                         f"downloading blob {self.digest.short} failed after {t.max_retries} retries: {exc}"
                     ) from exc
-                log.info("part failed, retrying digest=%s offset=%d attempt=%d error=%s", self.digest.short,
-                         part.offset, retries, exc)
+                log.info(
+                    "part failed, retrying digest=%s offset=%d attempt=%d error=%s",
+                    self.digest.short,
+                    part.offset,
+                    retries,
+                    exc,
+                )
                 if self._stop.wait(backoff(retries, t.backoff)):
                     return
             except RangeIgnored as exc:
                 raise _Restart() from exc
             except WriteFailed as exc:
                 if exc.error.errno == errno.ENOSPC:
-                    raise StoreError(f"disk full while downloading blob {self.digest.short} into "
-                                     f"{self.store.blobs_dir}") from exc
-                raise StoreError(f"cannot write {self.store.partial_path(self.digest)}: "
-                                 f"{exc.error.strerror or exc.error}") from exc
+                    raise StoreError(
+                        f"disk full while downloading blob {self.digest.short} into {self.store.blobs_dir}"
+                    ) from exc
+                raise StoreError(
+                    f"cannot write {self.store.partial_path(self.digest)}: {exc.error.strerror or exc.error}"
+                ) from exc
 
     def _rewind(self, part: Part, to: int) -> None:
         with self.cond:
@@ -498,8 +578,10 @@ class Download:
 class Downloads:
     """The daemon's downloads in flight, by digest (one per blob, shared by every pull that needs it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, bandwidth: int = 0) -> None:
         self._lock = threading.Lock()
+        #: CORRAL_PULL_BANDWIDTH: one bucket for all downloads (None: unlimited)
+        self.limiter = Bandwidth(bandwidth) if bandwidth > 0 else None
         self._active: dict[Digest, Download] = {}
         self._pins: dict[Digest, int] = {}
 
@@ -548,4 +630,3 @@ class Downloads:
         with self._lock:
             running = {d for d, dl in self._active.items() if not dl.finished.is_set()}
             return frozenset(running | set(self._pins))
-

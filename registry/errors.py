@@ -4,6 +4,10 @@ Every domain failure in corral is a :class:`CorralError`. The daemon maps these 
 (``daemon/errors.py``) and the CLI maps them to messages in exactly one place (``cli/errors.py``). The message
 (``str(exc)``) is what a client sees, so it follows Ollama's wording where Ollama has one.
 
+The HTTP status travels one way: ``status``, a class attribute of the type (``QueueFull.status = 503``) or the
+constructor's ``status=`` (an error that comes back over the wire with its status), never set on an instance
+afterwards. ``None`` (the default) lets ``daemon/errors.py``'s ``STATUS_TABLE`` decide by type.
+
 This module imports nothing from the project, so every package (including the pure ``modelfile``) may use it.
 
     CorralError
@@ -36,9 +40,13 @@ from __future__ import annotations
 class CorralError(Exception):
     """Root of every corral error. ``str(exc)`` is the user-facing message."""
 
-    def __init__(self, message: str) -> None:
+    status: int | None = None  # the HTTP status, when the type or the constructor fixes one (see above)
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
         super().__init__(message)
         self.message = message
+        if status is not None:
+            self.status = status
 
     def __str__(self) -> str:
         return self.message
@@ -80,8 +88,8 @@ class NotFound(CorralError):
 
 
 class ModelNotFound(NotFound):
-    def __init__(self, name: str, message: str | None = None) -> None:
-        super().__init__(message or f"model '{name}' not found")
+    def __init__(self, name: str, message: str | None = None, *, status: int | None = None) -> None:
+        super().__init__(message or f"model '{name}' not found", status=status)
         self.name = name
 
 

@@ -33,7 +33,8 @@ import ssl
 import time
 import urllib.parse
 import urllib.request
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
 
 import httpx
 
@@ -80,8 +81,14 @@ class RangeReader:
     halves the CPU a local-registry pull needs; TLS and chunked bodies go through ``readinto`` and ``pwrite``.
     """
 
-    def __init__(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse, length: int,
-                 url: httpx.URL, timeout: float) -> None:
+    def __init__(
+        self,
+        conn: http.client.HTTPConnection,
+        response: http.client.HTTPResponse,
+        length: int,
+        url: httpx.URL,
+        timeout: float,
+    ) -> None:
         self.conn = conn
         self.response = response
         self.length = length
@@ -92,8 +99,13 @@ class RangeReader:
         self.received = 0
         self.laggard = False  # aborted for being far slower than the other parts
         sock = conn.sock
-        self._splice = (SPLICE and sock is not None and not isinstance(sock, ssl.SSLSocket)
-                        and not response.chunked and response.length == length)
+        self._splice = (
+            SPLICE
+            and sock is not None
+            and not isinstance(sock, ssl.SSLSocket)
+            and not response.chunked
+            and response.length == length
+        )
         self._drained = False  # http.client's buffer is empty: the rest may come straight off the socket
         self._pipe: tuple[int, int] | None = None
 
@@ -139,8 +151,10 @@ class RangeReader:
         if self.response.chunked:
             # http.client raises IncompleteRead when a chunked body is cut off; an end here is the final chunk,
             # so the server itself says the body is over: it does not match the range it promised
-            raise RegistryProtocolError(f"{self.url.host} ended its answer {self.remaining} bytes early: the body "
-                                        f"is shorter than the {self.length} bytes its headers promised")
+            raise RegistryProtocolError(
+                f"{self.url.host} ended its answer {self.remaining} bytes early: the body "
+                f"is shorter than the {self.length} bytes its headers promised"
+            )
         raise Transient(f"the body ended {self.remaining} bytes early")
 
     def finish(self) -> None:
@@ -156,8 +170,9 @@ class RangeReader:
         except (OSError, http.client.HTTPException, ValueError):
             return  # the range is complete; whatever follows, the connection is closed
         if extra:
-            raise RegistryProtocolError(f"{self.url.host} sent a body longer than the {self.length} bytes its "
-                                        "headers promised")
+            raise RegistryProtocolError(
+                f"{self.url.host} sent a body longer than the {self.length} bytes its headers promised"
+            )
 
     def _count(self, n: int) -> None:
         self.remaining -= n
@@ -241,7 +256,8 @@ def _proxy_for(url: httpx.URL) -> httpx.URL | None:
     if not proxy:
         return None
     netloc = url.host if url.port is None else f"{url.host}:{url.port}"
-    if urllib.request.proxy_bypass_environment(netloc, proxies):
+    bypass = getattr(urllib.request, "proxy_bypass_environment")  # noqa: B009 - in the stdlib, not in its stubs
+    if bypass(netloc, proxies):
         return None
     return httpx.URL(proxy if "://" in proxy else f"http://{proxy}")
 
@@ -253,8 +269,9 @@ def _proxy_auth(proxy: httpx.URL) -> dict[str, str]:
     return {"Proxy-Authorization": "Basic " + base64.b64encode(raw).decode()}
 
 
-def connect(url: httpx.URL, timeout: float, context: ssl.SSLContext) -> tuple[http.client.HTTPConnection, str,
-                                                                             dict[str, str]]:
+def connect(
+    url: httpx.URL, timeout: float, context: ssl.SSLContext
+) -> tuple[http.client.HTTPConnection, str, dict[str, str]]:
     """A connection for ``url`` (through a proxy if the environment names one), the request target, and extra
     headers for the proxy."""
     port = url.port or (443 if url.scheme == "https" else 80)
@@ -265,6 +282,7 @@ def connect(url: httpx.URL, timeout: float, context: ssl.SSLContext) -> tuple[ht
             return http.client.HTTPSConnection(url.host, port, timeout=timeout, context=context), target, {}
         return http.client.HTTPConnection(url.host, port, timeout=timeout), target, {}
     proxy_port = proxy.port or (443 if proxy.scheme == "https" else 80)
+    conn: http.client.HTTPConnection
     if url.scheme == "https":
         conn = http.client.HTTPSConnection(proxy.host, proxy_port, timeout=timeout, context=context)
         conn.set_tunnel(url.host, port, headers=_proxy_auth(proxy))
@@ -289,8 +307,9 @@ def _error_body(response: http.client.HTTPResponse) -> str:
         return ""
 
 
-def open_range(client: RegistryClient, url: str | httpx.URL, digest: Digest, start: int, end: int, total: int,
-               *, timeout: float) -> RangeReader:
+def open_range(
+    client: RegistryClient, url: str | httpx.URL, digest: Digest, start: int, end: int, total: int, *, timeout: float
+) -> RangeReader:
     """``GET url`` for bytes ``start..end`` (inclusive) of a blob of ``total`` bytes, following redirects."""
     current = client.policy.check(str(url))
     answered = False
@@ -320,7 +339,7 @@ def open_range(client: RegistryClient, url: str | httpx.URL, digest: Digest, sta
         if status == 401 and on_registry and not answered:
             response.read(MAX_ERROR_BYTES)
             conn.close()
-            client.answer_challenge(response.headers, headers)
+            client.answer_challenge(cast(Mapping[str, str], response.headers), headers)
             answered = True
             continue
         if status in (301, 302, 303, 307, 308):
@@ -365,11 +384,10 @@ def open_range(client: RegistryClient, url: str | httpx.URL, digest: Digest, sta
     raise RegistryProtocolError(f"{client.name.host} redirected more than {MAX_REDIRECTS} times")
 
 
-def _check_content_range(response: http.client.HTTPResponse, url: httpx.URL, start: int, end: int,
-                         total: int) -> None:
+def _check_content_range(response: http.client.HTTPResponse, url: httpx.URL, start: int, end: int, total: int) -> None:
     header = response.headers.get("content-range", "")
     m = _CONTENT_RANGE.fullmatch(header.strip())
-    ok = bool(m) and int(m.group(1)) == start and int(m.group(2)) == end and m.group(3) in ("*", str(total))
+    ok = m is not None and int(m.group(1)) == start and int(m.group(2)) == end and m.group(3) in ("*", str(total))
     length = response.headers.get("content-length")
     if ok and length is not None:
         ok = length.strip() == str(end - start + 1)

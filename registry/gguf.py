@@ -35,13 +35,25 @@ MAX_DIMS = 8
 MAX_DIM = 1 << 50
 MAX_NESTING = 2  # an array of arrays is fine, an array of arrays of arrays is not
 MAX_ALIGNMENT = 1 << 20
+# llama.cpp's LLAMA_MAX_LAYERS: it keeps per-layer hyperparameters in arrays of this size and refuses a model that
+# declares more layers ("n > N_MAX: ... for key <arch>.feed_forward_length"), so such a file can never run
+MAX_LAYERS = 512
 DEFAULT_ALIGNMENT = 32
 _CHUNK = 1 << 16
 
 # value type id -> (struct format, size); 8 = string, 9 = array
 _SCALARS: dict[int, tuple[str, int]] = {
-    0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4), 6: ("f", 4), 7: ("?", 1),
-    10: ("Q", 8), 11: ("q", 8), 12: ("d", 8),
+    0: ("B", 1),
+    1: ("b", 1),
+    2: ("H", 2),
+    3: ("h", 2),
+    4: ("I", 4),
+    5: ("i", 4),
+    6: ("f", 4),
+    7: ("?", 1),
+    10: ("Q", 8),
+    11: ("q", 8),
+    12: ("d", 8),
 }
 STRING, ARRAY = 8, 9
 _INT_TYPES = frozenset({0, 1, 2, 3, 4, 5, 10, 11})
@@ -51,23 +63,79 @@ _U64 = struct.Struct("<Q")
 # ggml type id -> (name, block size in elements, bytes per block), from ggml's type traits. (Q8_1 is 36 bytes in
 # ggml: two halves and 32 int8; older gguf-py tables say 40.) Ids 4 and 5 (Q4_2, Q4_3) and 31-33, 36-38 are gone.
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
-    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
-    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
-    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
-    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
-    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
-    29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
-    39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18),
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    9: ("Q8_1", 32, 36),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+    15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66),
+    17: ("IQ2_XS", 256, 74),
+    18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18),
+    21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82),
+    23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1),
+    25: ("I16", 1, 2),
+    26: ("I32", 1, 4),
+    27: ("I64", 1, 8),
+    28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2),
+    34: ("TQ1_0", 256, 54),
+    35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17),
+    40: ("NVFP4", 64, 36),
+    41: ("Q1_0", 128, 18),
 }
 
 # llama.cpp's LLAMA_FTYPE (general.file_type) -> the name Ollama shows
 FILE_TYPES: dict[int, str] = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
-    12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
-    19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL",
-    26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0",
-    37: "TQ2_0", 38: "MXFP4", 39: "NVFP4", 40: "Q1_0",
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    7: "Q8_0",
+    8: "Q5_0",
+    9: "Q5_1",
+    10: "Q2_K",
+    11: "Q3_K_S",
+    12: "Q3_K_M",
+    13: "Q3_K_L",
+    14: "Q4_K_S",
+    15: "Q4_K_M",
+    16: "Q5_K_S",
+    17: "Q5_K_M",
+    18: "Q6_K",
+    19: "IQ2_XXS",
+    20: "IQ2_XS",
+    21: "Q2_K_S",
+    22: "IQ3_XS",
+    23: "IQ3_XXS",
+    24: "IQ1_S",
+    25: "IQ4_NL",
+    26: "IQ3_S",
+    27: "IQ3_M",
+    28: "IQ2_S",
+    29: "IQ2_M",
+    30: "IQ4_XS",
+    31: "IQ1_M",
+    32: "BF16",
+    36: "TQ1_0",
+    37: "TQ2_0",
+    38: "MXFP4",
+    39: "NVFP4",
+    40: "Q1_0",
 }
 
 
@@ -197,15 +265,17 @@ class _Reader:
         return self.size - self.pos
 
     def _truncated(self, n: int, what: str) -> InvalidGGUF:
-        return InvalidGGUF(f"truncated GGUF: the header ends before {what} (needs {n} bytes at offset {self.pos}, "
-                           f"the file has {max(self.left(), 0)} left)")
+        return InvalidGGUF(
+            f"truncated GGUF: the header ends before {what} (needs {n} bytes at offset {self.pos}, "
+            f"the file has {max(self.left(), 0)} left)"
+        )
 
     def _fill(self, n: int, what: str) -> None:
         """Make sure ``n`` unread bytes are buffered (n has been checked against the bytes left)."""
         have = len(self.buf) - self.bpos
         if have >= n:
             return
-        parts = [self.buf[self.bpos:]]
+        parts = [self.buf[self.bpos :]]
         # never read past the declared size; read ahead by a chunk to make small reads cheap
         want = min(max(n - have, _CHUNK), self.size - self.pos - have)
         while want > 0 and have < n:
@@ -214,8 +284,10 @@ class _Reader:
             except OSError as exc:
                 raise InvalidGGUF(f"could not read the GGUF header: {exc}") from None
             if not data:
-                raise InvalidGGUF(f"truncated GGUF: the file is shorter than its declared size {self.size} "
-                                  f"(it ends at offset {self.pos + have}, inside {what})")
+                raise InvalidGGUF(
+                    f"truncated GGUF: the file is shorter than its declared size {self.size} "
+                    f"(it ends at offset {self.pos + have}, inside {what})"
+                )
             parts.append(data)
             have += len(data)
             want -= len(data)
@@ -228,7 +300,7 @@ class _Reader:
         if n < 0 or n > self.left():
             raise self._truncated(n, what)
         self._fill(n, what)
-        out = self.buf[self.bpos:self.bpos + n]
+        out = self.buf[self.bpos : self.bpos + n]
         self.bpos += n
         self.pos += n
         return out
@@ -254,8 +326,10 @@ class _Reader:
         while rest:
             data = self.f.read(min(rest, 1 << 20))
             if not data:
-                raise InvalidGGUF(f"truncated GGUF: the file is shorter than its declared size {self.size} "
-                                  f"(it ends at offset {self.pos}, inside {what})")
+                raise InvalidGGUF(
+                    f"truncated GGUF: the file is shorter than its declared size {self.size} "
+                    f"(it ends at offset {self.pos}, inside {what})"
+                )
             rest -= len(data)
             self.pos += len(data)
 
@@ -298,7 +372,7 @@ class _Reader:
                 if n <= MAX_STRING and 8 + n <= self.left() and len(self.buf) - self.bpos >= 8 + n:
                     start = self.bpos + 8
                     if keep:
-                        append(self.buf[start:start + n].decode("utf-8", errors="replace"))
+                        append(self.buf[start : start + n].decode("utf-8", errors="replace"))
                     self.bpos = start + n
                     self.pos += 8 + n
                     continue
@@ -334,8 +408,9 @@ def _value(r: _Reader, vtype: int, key: str, depth: int, keep: bool, budget: _Bu
     if min_size is None:
         raise InvalidGGUF(f'GGUF array "{key}" has an unknown element type {etype}')
     if count * min_size > r.left():
-        raise InvalidGGUF(f'truncated GGUF: array "{key}" claims {count} elements but only {r.left()} bytes remain '
-                          "in the file")
+        raise InvalidGGUF(
+            f'truncated GGUF: array "{key}" claims {count} elements but only {r.left()} bytes remain in the file'
+        )
     keep = keep and budget.kept + count <= MAX_KEPT_ELEMENTS
     if keep:
         budget.kept += count
@@ -352,8 +427,9 @@ def _value(r: _Reader, vtype: int, key: str, depth: int, keep: bool, budget: _Bu
     return (items if keep else []), count
 
 
-def read_gguf_header(f: BinaryIO, file_size: int, *, keep_arrays: bool = True,
-                     max_array_keep: int | None = None) -> GGUFInfo:
+def read_gguf_header(
+    f: BinaryIO, file_size: int, *, keep_arrays: bool = True, max_array_keep: int | None = None
+) -> GGUFInfo:
     """Parse and check the header of a GGUF file of ``file_size`` bytes read from ``f`` (at its start).
 
     Top-level arrays longer than ``max_array_keep`` (or all arrays, with ``keep_arrays=False``) are skipped and
@@ -378,8 +454,10 @@ def read_gguf_header(f: BinaryIO, file_size: int, *, keep_arrays: bool = True,
         raise InvalidGGUF(f"GGUF header claims {n_kv} metadata keys, more than the {MAX_KVS} allowed")
     # smallest key/value: 8 (key length) + 4 (type) + 1 (u8); smallest tensor info: 8 + 4 + 8 + 4 + 8
     if n_kv * 13 + n_tensors * 32 > r.left():
-        raise InvalidGGUF(f"truncated GGUF: the header claims {n_kv} keys and {n_tensors} tensors, more than the "
-                          f"{file_size} byte file can hold")
+        raise InvalidGGUF(
+            f"truncated GGUF: the header claims {n_kv} keys and {n_tensors} tensors, more than the "
+            f"{file_size} byte file can hold"
+        )
 
     metadata: dict[str, Any] = {}
     lengths: dict[str, int] = {}
@@ -409,8 +487,12 @@ def read_gguf_header(f: BinaryIO, file_size: int, *, keep_arrays: bool = True,
         metadata[key] = value
 
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or isinstance(alignment, bool) or not 0 < alignment <= MAX_ALIGNMENT \
-            or alignment & (alignment - 1):
+    if (
+        not isinstance(alignment, int)
+        or isinstance(alignment, bool)
+        or not 0 < alignment <= MAX_ALIGNMENT
+        or alignment & (alignment - 1)
+    ):
         raise InvalidGGUF(f"GGUF general.alignment {alignment!r} is not a power of two up to {MAX_ALIGNMENT}")
 
     infos: list[TensorInfo] = []
@@ -439,28 +521,65 @@ def read_gguf_header(f: BinaryIO, file_size: int, *, keep_arrays: bool = True,
         if n_el > MAX_DIM:
             raise InvalidGGUF(f'GGUF tensor "{name}" claims an absurd shape {list(shape)}')
         if shape[0] % block:
-            raise InvalidGGUF(f'GGUF tensor "{name}" has {shape[0]} columns, not a multiple of the {type_name} '
-                              f"block size {block}")
+            raise InvalidGGUF(
+                f'GGUF tensor "{name}" has {shape[0]} columns, not a multiple of the {type_name} block size {block}'
+            )
         if offset % alignment:
             raise InvalidGGUF(f'GGUF tensor "{name}" starts at offset {offset}, not aligned to {alignment}')
         infos.append(TensorInfo(name, shape, ttype, type_name, offset, n_el // block * block_bytes))
+
+    _check_block_count(metadata, infos)
 
     data_offset = (r.pos + alignment - 1) // alignment * alignment
     for t in infos:
         end = data_offset + t.offset + t.n_bytes
         if end > file_size:
-            raise InvalidGGUF(f'truncated GGUF: tensor "{t.name}" ends at byte {end} but the file has {file_size} '
-                              "bytes")
-    return GGUFInfo(version=version, metadata=metadata, tensors=tuple(infos), data_offset=data_offset,
-                    file_size=file_size, array_lengths=lengths)
+            raise InvalidGGUF(
+                f'truncated GGUF: tensor "{t.name}" ends at byte {end} but the file has {file_size} bytes'
+            )
+    return GGUFInfo(
+        version=version,
+        metadata=metadata,
+        tensors=tuple(infos),
+        data_offset=data_offset,
+        file_size=file_size,
+        array_lengths=lengths,
+    )
+
+
+def _check_block_count(metadata: dict[str, Any], tensors: list[TensorInfo]) -> None:
+    """``<arch>.block_count`` is a layer count llama.cpp can hold (everything that sizes per-layer work, the memory
+    estimate and the split over GPUs, is bounded by it) and, in a model whose tensors are numbered by layer
+    (``blk.N.*``), not far beyond the layers those tensors describe (llama.cpp would refuse the file anyway, with a
+    missing tensor). An adapter may cover only some layers, so it is not held to the second rule."""
+    arch = metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        return
+    key = f"{arch}.block_count"
+    if key not in metadata:
+        return
+    n = metadata[key]
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise InvalidGGUF(f'invalid GGUF: "{key}" must be an integer layer count, got {type(n).__name__}')
+    if not 0 <= n <= MAX_LAYERS:
+        raise InvalidGGUF(f'invalid GGUF: "{key}" declares {n} layers; llama.cpp supports at most {MAX_LAYERS}')
+    if metadata.get("general.type") == "adapter":
+        return
+    present = 0
+    for t in tensors:
+        if t.name.startswith("blk."):
+            index = t.name[4:].partition(".")[0]
+            if index.isdigit() and len(index) <= 4:
+                present = max(present, int(index) + 1)
+    if present and n > 2 * present:
+        raise InvalidGGUF(f'invalid GGUF: "{key}" declares {n} layers but the tensors describe {present}')
 
 
 def read_gguf_file(path: str | Path, *, keep_arrays: bool = True, max_array_keep: int | None = None) -> GGUFInfo:
     """:func:`read_gguf_header` on a file on disk."""
     p = Path(path)
     with open(p, "rb") as f:
-        return read_gguf_header(f, os.fstat(f.fileno()).st_size, keep_arrays=keep_arrays,
-                                max_array_keep=max_array_keep)
+        return read_gguf_header(f, os.fstat(f.fileno()).st_size, keep_arrays=keep_arrays, max_array_keep=max_array_keep)
 
 
 def format_parameter_count(n: int) -> str:

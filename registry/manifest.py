@@ -135,8 +135,7 @@ def _layer(item: Any, where: str) -> Layer:
 
 def layer_progress(verb: str, layer: Layer, completed: int) -> dict[str, Any]:
     """One progress line of a pull or push in Ollama's shape (``completed`` left out until bytes have moved)."""
-    line: dict[str, Any] = {"status": f"{verb} {layer.digest.short}", "digest": str(layer.digest),
-                            "total": layer.size}
+    line: dict[str, Any] = {"status": f"{verb} {layer.digest.short}", "digest": str(layer.digest), "total": layer.size}
     if completed:
         line["completed"] = completed
     return line

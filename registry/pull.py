@@ -16,6 +16,7 @@ it, under the catalog lock: until then nothing of the pull is visible as a model
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import threading
@@ -61,8 +62,9 @@ def check_manifest(raw: bytes, name: ModelName) -> Manifest:
     try:
         manifest = Manifest.parse(raw)
     except InvalidManifest as exc:
-        raise RegistryProtocolError(f"registry {name.host} sent an invalid manifest for {name.short()}: {exc}") \
-            from None
+        raise RegistryProtocolError(
+            f"registry {name.host} sent an invalid manifest for {name.short()}: {exc}"
+        ) from None
     if not manifest.layers:
         raise RegistryProtocolError(f"the manifest of {name.short()} has no layers")
     seen: set[Digest] = set()
@@ -77,10 +79,19 @@ class Puller:
     """Runs pulls against one store. ``lock`` is the catalog's: the manifest write and the removal of the old
     version's blobs happen under it."""
 
-    def __init__(self, store: Store, downloads: Downloads, lock: threading.RLock, *, prune: bool,
-                 auth_files: Iterable[Path] = (), tuning: Tuning | None = None,
-                 on_bytes: Callable[[int], None] | None = None, interval: float = 0.1,
-                 free_space: Callable[[Path], int] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        downloads: Downloads,
+        lock: threading.RLock,
+        *,
+        prune: bool,
+        auth_files: Iterable[Path] = (),
+        tuning: Tuning | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+        interval: float = 0.1,
+        free_space: Callable[[Path], int] | None = None,
+    ) -> None:
         self.store = store
         self.downloads = downloads
         self.lock = lock
@@ -114,7 +125,7 @@ class Puller:
             self._check_space(name, missing)
             active: dict[Digest, Download] = {}
             for layer in missing:
-                d = self.downloads.join(layer.digest, lambda layer=layer: self._download(remote, layer))
+                d = self.downloads.join(layer.digest, functools.partial(self._download, remote, layer))
                 joined.append(d)
                 active[layer.digest] = d
             yield from self._progress(blobs, active)
@@ -129,9 +140,14 @@ class Puller:
             removed = self._write(name, manifest)
             if removed:
                 yield {"status": "removing unused layers"}
-            log.info("pulled model=%s layers=%d size=%d fetched=%d seconds=%.2f", name.short(),
-                     len(manifest.layers), manifest.size, sum(d.fetched for d in active.values()),
-                     time.monotonic() - started)
+            log.info(
+                "pulled model=%s layers=%d size=%d fetched=%d seconds=%.2f",
+                name.short(),
+                len(manifest.layers),
+                manifest.size,
+                sum(d.fetched for d in active.values()),
+                time.monotonic() - started,
+            )
             self._sync_later([d.digest for d in active.values()])
             yield {"status": "success"}
         except GeneratorExit:  # the client went away: leave at once, the downloads wind down by themselves
@@ -157,8 +173,12 @@ class Puller:
         except BlobNotFound:
             return False
         if size != layer.size:
-            log.warning("blob has %d bytes, the manifest says %d; downloading it again digest=%s", size, layer.size,
-                        layer.digest)
+            log.warning(
+                "blob has %d bytes, the manifest says %d; downloading it again digest=%s",
+                size,
+                layer.size,
+                layer.digest,
+            )
             return False
         return True
 
@@ -171,11 +191,22 @@ class Puller:
         loss could leave it damaged under a verified name; ``corral rm`` and pulling again repairs that.
         """
         if digests:
-            threading.Thread(target=lambda: [self.store.sync_blob(d) for d in digests], name="sync-blobs",
-                             daemon=True).start()
+            threading.Thread(target=self._sync_blobs, args=(digests,), name="sync-blobs", daemon=True).start()
+
+    def _sync_blobs(self, digests: list[Digest]) -> None:
+        for d in digests:
+            self.store.sync_blob(d)
 
     def _download(self, remote: RegistryClient, layer: Layer) -> Download:
-        return Download(self.store, layer.digest, layer.size, remote, tuning=self.tuning, on_bytes=self.on_bytes)
+        return Download(
+            self.store,
+            layer.digest,
+            layer.size,
+            remote,
+            tuning=self.tuning,
+            on_bytes=self.on_bytes,
+            limiter=getattr(self.downloads, "limiter", None),
+        )  # CORRAL_PULL_BANDWIDTH
 
     def _check_space(self, name: ModelName, missing: list[Layer]) -> None:
         need = 0
@@ -235,4 +266,3 @@ class Puller:
             if not self.prune:
                 return []
             return self.store.remove_unreferenced(old - manifest.blobs())
-

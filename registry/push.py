@@ -13,6 +13,7 @@ manifest goes last, byte for byte as stored, so the registry's copy has the same
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -52,8 +53,9 @@ def media_type(raw: bytes) -> str:
 class Upload:
     """One blob's upload, run in a thread so that the pusher can report progress meanwhile."""
 
-    def __init__(self, remote: RegistryClient, store: Store, digest: Digest, size: int, *, chunk: int,
-                 retry_wait: float) -> None:
+    def __init__(
+        self, remote: RegistryClient, store: Store, digest: Digest, size: int, *, chunk: int, retry_wait: float
+    ) -> None:
         self.remote, self.store, self.digest, self.size = remote, store, digest, size
         self.chunk = chunk
         self.retry_wait = retry_wait
@@ -88,11 +90,20 @@ class Upload:
         while offset < self.size:
             n = min(self.chunk, self.size - offset)
             self.sent = offset
-            headers = {"Content-Type": "application/octet-stream", "Content-Length": str(n),
-                       "Content-Range": f"{offset}-{offset + n - 1}"}
+            headers = {
+                "Content-Type": "application/octet-stream",
+                "Content-Length": str(n),
+                "Content-Range": f"{offset}-{offset + n - 1}",
+            }
+            failure: RegistryUnreachable | None
             try:
-                reply = self.remote.request("PATCH", str(location), headers=headers, follow=False,
-                                            content=lambda offset=offset, n=n: self._pieces(offset, n))
+                reply = self.remote.request(
+                    "PATCH",
+                    str(location),
+                    headers=headers,
+                    follow=False,
+                    content=functools.partial(self._pieces, offset, n),
+                )
             except RegistryUnreachable as exc:
                 reply, failure = None, exc
             else:
@@ -107,8 +118,7 @@ class Upload:
             retries += 1
             if retries > MAX_CHUNK_RETRIES:
                 raise failure or self.remote.fail(reply, f"upload blob {self.digest.short}")  # type: ignore[arg-type]
-            log.info("upload chunk failed, resuming digest=%s offset=%d attempt=%d", self.digest.short, offset,
-                     retries)
+            log.info("upload chunk failed, resuming digest=%s offset=%d attempt=%d", self.digest.short, offset, retries)
             if self.stop.wait(backoff(retries, self.retry_wait)):
                 raise _Stop()
             offset = self.remote.upload_offset(location)
@@ -120,8 +130,15 @@ class Upload:
 
 
 class Pusher:
-    def __init__(self, store: Store, *, auth_files: Iterable[Path] = (), chunk: int = CHUNK,
-                 interval: float = 0.1, retry_wait: float = 1.0) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        auth_files: Iterable[Path] = (),
+        chunk: int = CHUNK,
+        interval: float = 0.1,
+        retry_wait: float = 1.0,
+    ) -> None:
         self.store = store
         self.auth_files = list(auth_files)
         self.chunk = chunk

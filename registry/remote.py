@@ -93,7 +93,7 @@ class Origin:
 
 def _resolve(host: str) -> list[str]:
     try:
-        return [info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)]
+        return [str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)]
     except (OSError, UnicodeError):
         return []
 
@@ -289,9 +289,17 @@ class RegistryClient:
     outlive the pull that started it); the HTTP client closes when the last user releases it.
     """
 
-    def __init__(self, name: ModelName, *, insecure: bool = False, auth_files: Iterable[Path] = (),
-                 push: bool = False, credentials: Credentials | None = None, resolve: Resolver | None = None,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        name: ModelName,
+        *,
+        insecure: bool = False,
+        auth_files: Iterable[Path] = (),
+        push: bool = False,
+        credentials: Credentials | None = None,
+        resolve: Resolver | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         if name.scheme == "http" and not insecure:
             raise InsecureRegistry("insecure protocol http")
         self.name = name
@@ -383,8 +391,9 @@ class RegistryClient:
                     raise self.unauthorized()
                 self._basic = True
             else:
-                raise self.unauthorized(f"registry {self.name.host} asked for an unsupported authentication "
-                                        f"scheme {scheme or '(none)'!r}")
+                raise self.unauthorized(
+                    f"registry {self.name.host} asked for an unsupported authentication scheme {scheme or '(none)'!r}"
+                )
 
     def unauthorized(self, detail: str | None = None) -> RegistryUnauthorized:
         if detail:
@@ -403,11 +412,14 @@ class RegistryClient:
         try:
             realm_url = httpx.URL(realm)
         except (httpx.InvalidURL, ValueError):
-            raise RegistryProtocolError(f"registry {self.name.host} sent an invalid token realm {realm[:200]!r}") \
-                from None
+            raise RegistryProtocolError(
+                f"registry {self.name.host} sent an invalid token realm {realm[:200]!r}"
+            ) from None
         if realm_url.scheme == "http" and not self.insecure and (realm_url.host or "").lower() == self.origin.host:
-            raise InsecureRegistry(f"registry {self.name.host} has a plain-HTTP token realm; use --insecure only if "
-                                   "you trust this registry")
+            raise InsecureRegistry(
+                f"registry {self.name.host} has a plain-HTTP token realm; use --insecure only if "
+                "you trust this registry"
+            )
         if realm_url.scheme not in ("http", "https") or Origin.of(realm_url) != self.origin:
             # another port is another server (any local user may run one on 127.0.0.1), so the origin must match
             where = f"{realm_url.host}:{Origin.of(realm_url).port}" if realm_url.host else repr(realm[:100])
@@ -421,7 +433,7 @@ class RegistryClient:
         default = [f"repository:{self.repository}:{self.actions}"] if self.scopes is None else self.scopes
         scopes = params.get("scope", "").split() or default
         query += [("scope", s) for s in scopes]
-        url = realm_url.copy_merge_params(query)
+        url = realm_url.copy_merge_params(tuple(query))
         headers = {"Accept": "application/json"}
         if self.credentials is not None:
             headers["Authorization"] = self.credentials.basic()
@@ -440,8 +452,12 @@ class RegistryClient:
         except (ValueError, UnicodeDecodeError):
             doc = None
         token = (doc.get("token") or doc.get("access_token")) if isinstance(doc, dict) else None
-        if not isinstance(token, str) or not token or len(token) > MAX_TOKEN_CHARS or \
-                any(c < "!" or c > "~" for c in token):
+        if (
+            not isinstance(token, str)
+            or not token
+            or len(token) > MAX_TOKEN_CHARS
+            or any(c < "!" or c > "~" for c in token)
+        ):
             raise RegistryProtocolError(f"registry {self.name.host} sent a token response without a usable token")
         return token
 
@@ -457,9 +473,17 @@ class RegistryClient:
             return RegistryUnreachable(f"registry {self.name.host} did not answer in time")
         return RegistryUnreachable(f"cannot reach registry {self.name.host}: {text or type(exc).__name__}")
 
-    def request(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
-                content: bytes | Callable[[], Any] | None = None, cap: int = MAX_ERROR_BYTES,
-                what: str = "response", follow: bool = True) -> Reply:
+    def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        content: bytes | Callable[[], Any] | None = None,
+        cap: int = MAX_ERROR_BYTES,
+        what: str = "response",
+        follow: bool = True,
+    ) -> Reply:
         """One request with auth, hand-checked redirects (GET/HEAD) and a capped body.
 
         ``content`` may be a callable returning a fresh body (a retry after a 401 must resend it).
@@ -498,15 +522,21 @@ class RegistryClient:
         if reply.status == 404:
             return RegistryNotFound(f"{doing}: file does not exist")
         detail = error_text(reply.body)
-        return RegistryError(f"{doing}: registry {self.name.host} answered {reply.status}"
-                             + (f": {detail}" if detail else ""))
+        return RegistryError(
+            f"{doing}: registry {self.name.host} answered {reply.status}" + (f": {detail}" if detail else "")
+        )
 
     # -- manifests -----------------------------------------------------------------------------------------------
     def get_manifest(self) -> bytes:
         """The manifest for the name's tag, byte for byte (checked against ``Docker-Content-Digest``)."""
         accept = f"{MANIFEST_MEDIA_TYPE}, {OCI_MANIFEST_MEDIA_TYPE}"
-        reply = self.request("GET", self.url(f"manifests/{self.name.tag}"), headers={"Accept": accept},
-                             cap=MAX_MANIFEST_BYTES, what="manifest")
+        reply = self.request(
+            "GET",
+            self.url(f"manifests/{self.name.tag}"),
+            headers={"Accept": accept},
+            cap=MAX_MANIFEST_BYTES,
+            what="manifest",
+        )
         if reply.status != 200:
             raise self.fail(reply, "pull model manifest")
         ctype = reply.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -522,8 +552,13 @@ class RegistryClient:
         return reply.body
 
     def put_manifest(self, raw: bytes, media_type: str) -> None:
-        reply = self.request("PUT", self.url(f"manifests/{self.name.tag}"), content=raw,
-                             headers={"Content-Type": media_type}, follow=False)
+        reply = self.request(
+            "PUT",
+            self.url(f"manifests/{self.name.tag}"),
+            content=raw,
+            headers={"Content-Type": media_type},
+            follow=False,
+        )
         if reply.status not in (200, 201, 202):
             raise self.fail(reply, "push manifest")
 
@@ -559,12 +594,14 @@ class RegistryClient:
         try:
             return int(rng.split("-", 1)[1]) + 1
         except (IndexError, ValueError):
-            raise RegistryProtocolError(f"registry {self.name.host} sent an invalid upload Range {rng[:50]!r}") \
-                from None
+            raise RegistryProtocolError(
+                f"registry {self.name.host} sent an invalid upload Range {rng[:50]!r}"
+            ) from None
 
 
-def verify_login(host: str, credentials: Credentials, *, insecure: bool = False,
-                 transport: httpx.BaseTransport | None = None) -> None:
+def verify_login(
+    host: str, credentials: Credentials, *, insecure: bool = False, transport: httpx.BaseTransport | None = None
+) -> None:
     """Check ``credentials`` against the registry at ``host`` (``GET /v2/`` through its auth challenge), as
     ``docker login`` does; raises :class:`RegistryUnauthorized` if the registry refuses them."""
     name = ModelName.parse(f"{host}/corral/login")
@@ -583,4 +620,3 @@ def verify_login(host: str, credentials: Credentials, *, insecure: bool = False,
 def backoff(attempt: int, base: float, cap: float = 30.0) -> float:
     """Seconds to wait before retry number ``attempt`` (1, 2, 4 … times ``base``, at most ``cap``)."""
     return float(min(cap, base * (2 ** max(0, attempt - 1))))
-

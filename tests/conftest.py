@@ -50,7 +50,12 @@ class Daemon:
         """Run the corral CLI against this daemon."""
         return subprocess.run(
             [sys.executable, "-m", "cli", *args],
-            env=self.env, cwd=REPO, input=input, capture_output=True, text=True, timeout=timeout,
+            env=self.env,
+            cwd=REPO,
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
 
 

@@ -30,8 +30,13 @@ if args.get("completion") is not None:
 """
 
 
-def run_llama(llama: dict[str, Any], completion: dict[str, Any] | None = None, *,
-              extra_bufts: bool | None = None, timeout: float = 300) -> tuple[dict[str, Any] | None, str]:
+def run_llama(
+    llama: dict[str, Any],
+    completion: dict[str, Any] | None = None,
+    *,
+    extra_bufts: bool | None = None,
+    timeout: float = 300,
+) -> tuple[dict[str, Any] | None, str]:
     """Build ``Llama(**llama)`` in a child (and run ``create_completion(**completion)``): (the completion, the
     child's stderr). ``extra_bufts`` None: on, then off if the child dies by a signal."""
     attempts = [True, False] if extra_bufts is None else [extra_bufts]
@@ -44,7 +49,7 @@ def run_llama(llama: dict[str, Any], completion: dict[str, Any] | None = None, *
         result = None
         for line in r.stdout.splitlines():
             if line.startswith("RESULT "):
-                result = json.loads(line[len("RESULT "):])
+                result = json.loads(line[len("RESULT ") :])
         return result, r.stderr
     raise AssertionError("unreachable")
 

@@ -31,6 +31,14 @@ HASH_BAR_MIN = 64 * 1024 * 1024  # hash smaller files without a bar
 def create(
     name: Annotated[str, typer.Argument(metavar="NAME", help="Name of the new model, e.g. mario or me/mario:v2.")],
     file: Annotated[str | None, typer.Option("--file", "-f", help='Modelfile to read (default "./Modelfile").')] = None,
+    quantize: Annotated[
+        str | None,
+        typer.Option(
+            "--quantize",
+            "-q",
+            help="Quantize the model to this level (q4_K_M, q4_K_S, q8_0; the source must be F16, BF16 or F32).",
+        ),
+    ] = None,
 ) -> None:
     """Create a model from a Modelfile."""
     try:
@@ -41,6 +49,8 @@ def create(
     with client_from_env() as client:
         client.heartbeat()
         payload = build_request(name, source, client)
+        if quantize:
+            payload["quantize"] = quantize
         with output.reporter() as rep:
             for event in client.create(payload):
                 show_event(rep, event)
@@ -68,8 +78,9 @@ def build_request(name: str, source: ModelfileSource, client: DaemonClient) -> d
             except LocalFileError:
                 if not source.implicit:
                     raise
-                raise LocalFileError(f'no Modelfile or GGUF files found in "{local}"; name a Modelfile with -f') \
-                    from None
+                raise LocalFileError(
+                    f'no Modelfile or GGUF files found in "{local}"; name a Modelfile with -f'
+                ) from None
     adapter_paths = [p for value in mf.adapters for p in adapter_files(value, source.base_dir)]
     # every file is checked before the first is hashed or uploaded: FROM /etc/passwd never leaves the machine
     for p in model_paths:
@@ -93,9 +104,9 @@ def build_request(name: str, source: ModelfileSource, client: DaemonClient) -> d
     if mf.licenses:
         payload["license"] = list(mf.licenses)
     for key in ("requires", "renderer", "parser"):
-        value = getattr(mf, key, None)
-        if value:
-            payload[key] = value
+        given = getattr(mf, key, None)
+        if given:
+            payload[key] = given
     return payload
 
 
@@ -132,4 +143,3 @@ def show_event(rep: output.Reporter, event: dict[str, Any]) -> None:
         rep.bar(key, status, total).set(int(event.get("completed") or 0))
     elif status:
         rep.status(status)
-

@@ -26,7 +26,9 @@ def rows(models: list[dict[str, Any]], prefix: str | None = None) -> list[tuple[
 
 
 def list_models(
-    prefix: Annotated[str | None, typer.Argument(metavar="PREFIX", help="Show only models whose name starts with this.")] = None,
+    prefix: Annotated[
+        str | None, typer.Argument(metavar="PREFIX", help="Show only models whose name starts with this.")
+    ] = None,
 ) -> None:
     """List the models you have."""
     with client_from_env() as client:

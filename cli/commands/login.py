@@ -44,8 +44,9 @@ def _password(password_stdin: bool) -> str:
 
 
 def login(
-    registry: Annotated[str, typer.Argument(metavar="REGISTRY", help="Registry host, e.g. registry.example.com "
-                                            "or 127.0.0.1:5000.")],
+    registry: Annotated[
+        str, typer.Argument(metavar="REGISTRY", help="Registry host, e.g. registry.example.com or 127.0.0.1:5000.")
+    ],
     username: Annotated[str | None, typer.Option("--username", "-u", help="User name (asked if not given).")] = None,
     password_stdin: Annotated[bool, typer.Option("--password-stdin", help="Read the password from stdin.")] = False,
     insecure: Annotated[bool, typer.Option("--insecure", help="The registry speaks plain HTTP.")] = False,

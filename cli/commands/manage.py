@@ -33,7 +33,7 @@ def stop_quietly(client: DaemonClient, name: str) -> None:
     except NotFound:
         pass
     except CorralError as exc:
-        if getattr(exc, "status", None) != 405:
+        if exc.status != 405:
             output.warn(f"unable to stop model '{name}'")
 
 

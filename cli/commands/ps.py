@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -28,7 +28,7 @@ def processor(size: int, size_vram: int) -> str:
 
 def until(expires_at: str, now: datetime | None = None) -> str:
     when = output.parse_time(expires_at)
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     if when is None:
         return "Unknown"
     if when < now:
@@ -45,20 +45,30 @@ def context(m: dict[str, Any]) -> str:
 
 
 def rows(models: list[dict[str, Any]], prefix: str | None = None, now: datetime | None = None) -> list[tuple[str, ...]]:
-    out = []
+    out: list[tuple[str, ...]] = []
     for m in models:
         name = str(m.get("name") or m.get("model") or "")
         if prefix and not name.lower().startswith(prefix.lower()):
             continue
         size, vram = int(m.get("size") or 0), int(m.get("size_vram") or 0)
         digest = str(m.get("digest") or "").removeprefix("sha256:")
-        out.append((name, digest[:12], output.format_size(size), processor(size, vram),
-                    context(m), until(str(m.get("expires_at") or ""), now)))
+        out.append(
+            (
+                name,
+                digest[:12],
+                output.format_size(size),
+                processor(size, vram),
+                context(m),
+                until(str(m.get("expires_at") or ""), now),
+            )
+        )
     return out
 
 
 def ps(
-    prefix: Annotated[str | None, typer.Argument(metavar="PREFIX", help="Show only models whose name starts with this.")] = None,
+    prefix: Annotated[
+        str | None, typer.Argument(metavar="PREFIX", help="Show only models whose name starts with this.")
+    ] = None,
 ) -> None:
     """List the models loaded now."""
     with client_from_env() as client:
@@ -108,10 +118,15 @@ def gib(n: Any) -> str:
     return f"{int(n or 0) / (1 << 30):.1f} GiB"
 
 
-SETTING_ENV = {"ram_budget": "CORRAL_RAM_BUDGET", "vram_budget": "CORRAL_VRAM_BUDGET",
-               "num_parallel": "CORRAL_NUM_PARALLEL", "keep_alive": "CORRAL_KEEP_ALIVE",
-               "context_length": "CORRAL_CONTEXT_LENGTH", "flash_attention": "CORRAL_FLASH_ATTENTION",
-               "kv_cache_type": "CORRAL_KV_CACHE_TYPE"}
+SETTING_ENV = {
+    "ram_budget": "CORRAL_RAM_BUDGET",
+    "vram_budget": "CORRAL_VRAM_BUDGET",
+    "num_parallel": "CORRAL_NUM_PARALLEL",
+    "keep_alive": "CORRAL_KEEP_ALIVE",
+    "context_length": "CORRAL_CONTEXT_LENGTH",
+    "flash_attention": "CORRAL_FLASH_ATTENTION",
+    "kv_cache_type": "CORRAL_KV_CACHE_TYPE",
+}
 
 
 def setting_rows(settings: dict[str, Any]) -> list[list[str]]:
@@ -143,35 +158,57 @@ def info_lines(data: dict[str, Any]) -> list[str]:
     rows: list[list[str]] = [
         ["CPU", f"{hw.get('physical_cores', '?')} physical cores, {hw.get('logical_cores', '?')} logical"],
         ["CPU features", " ".join(hw.get("cpu_features") or []) or "unknown (llama.cpp was not asked)"],
-        ["RAM", f"{output.format_size(int(hw.get('total_ram') or 0))} total, "
-                f"{output.format_size(int(hw.get('available_ram') or 0))} available"],
+        [
+            "RAM",
+            f"{output.format_size(int(hw.get('total_ram') or 0))} total, "
+            f"{output.format_size(int(hw.get('available_ram') or 0))} available",
+        ],
     ]
     source = f" (llama.cpp probe {hw['probe']})" if hw.get("probe") else ""
     rows.append(["Backends", (", ".join(hw.get("backends") or []) or "none") + source])
     for d in hw.get("devices") or []:
         desc = f"{d.get('description')}, " if d.get("description") and d.get("description") != d.get("name") else ""
-        rows.append([f"Device {d.get('index')}", f"{d.get('name')} ({d.get('type')}, {d.get('backend')}): {desc}"
-                     f"{gib(d.get('memory_total'))} total, {gib(d.get('memory_free'))} free"])
+        rows.append(
+            [
+                f"Device {d.get('index')}",
+                f"{d.get('name')} ({d.get('type')}, {d.get('backend')}): {desc}"
+                f"{gib(d.get('memory_total'))} total, {gib(d.get('memory_free'))} free",
+            ]
+        )
     for g in hw.get("gpus") or []:
         extra = [str(g.get("backend") or "")]
         if g.get("compute_capability"):
             extra.append(f"compute {g['compute_capability']}")
         if g.get("driver"):
             extra.append(f"driver {g['driver']}")
-        rows.append([f"GPU {g.get('index')}", f"{g.get('name')} ({', '.join(e for e in extra if e)}), "
-                     f"{gib(g.get('total_vram'))} total, {gib(g.get('free_vram'))} free"])
+        rows.append(
+            [
+                f"GPU {g.get('index')}",
+                f"{g.get('name')} ({', '.join(e for e in extra if e)}), "
+                f"{gib(g.get('total_vram'))} total, {gib(g.get('free_vram'))} free",
+            ]
+        )
     offload = "yes" if hw.get("gpu_offload") else f"no ({hw.get('gpu_reason') or 'no GPU'})"
     rows.append(["GPU offload", offload])
     visible = hw.get("visible_devices") or {}
     if visible:
         rows.append(["Visible devices", " ".join(f'{k}="{v}"' for k, v in visible.items())])
-    rows.append(["RAM budget", output.format_size(int(budgets.get("ram") or 0))
-                 + (f" ({budgets['ram_source']})" if budgets.get("ram_source") else "")])
+    rows.append(
+        [
+            "RAM budget",
+            output.format_size(int(budgets.get("ram") or 0))
+            + (f" ({budgets['ram_source']})" if budgets.get("ram_source") else ""),
+        ]
+    )
     per_gpu = budgets.get("gpus") or []
-    rows.append(["VRAM budget", output.format_size(int(budgets.get("vram") or 0))
-                 + (f" ({budgets['vram_source']})" if budgets.get("vram_source") else "")
-                 + (f"; per GPU: {', '.join(output.format_size(int(x)) for x in per_gpu)}" if len(per_gpu) > 1
-                    else "")])
+    rows.append(
+        [
+            "VRAM budget",
+            output.format_size(int(budgets.get("vram") or 0))
+            + (f" ({budgets['vram_source']})" if budgets.get("vram_source") else "")
+            + (f"; per GPU: {', '.join(output.format_size(int(x)) for x in per_gpu)}" if len(per_gpu) > 1 else ""),
+        ]
+    )
     max_loaded = budgets.get("max_loaded_models")
     rows.append(["Max loaded models", str(max_loaded) if max_loaded else "no limit (memory decides)"])
     rows.extend(setting_rows(data.get("settings") or {}))

@@ -14,8 +14,12 @@ INSECURE_HELP = "Allow a plain-HTTP registry (for a local registry you trust)."
 
 
 def pull(
-    name: Annotated[str, typer.Argument(metavar="NAME", help="Model to pull, e.g. llama3.2, hf.co/user/repo:Q4_K_M "
-                                        "or 127.0.0.1:5000/ns/model:tag.")],
+    name: Annotated[
+        str,
+        typer.Argument(
+            metavar="NAME", help="Model to pull, e.g. llama3.2, hf.co/user/repo:Q4_K_M or 127.0.0.1:5000/ns/model:tag."
+        ),
+    ],
     insecure: Annotated[bool, typer.Option("--insecure", help=INSECURE_HELP)] = False,
 ) -> None:
     """Pull a model from a registry (resumes an interrupted pull)."""
@@ -24,8 +28,12 @@ def pull(
 
 
 def push(
-    name: Annotated[str, typer.Argument(metavar="NAME", help="Model to push; its name says where, e.g. "
-                                        "registry.example.com/me/model:tag.")],
+    name: Annotated[
+        str,
+        typer.Argument(
+            metavar="NAME", help="Model to push; its name says where, e.g. registry.example.com/me/model:tag."
+        ),
+    ],
     insecure: Annotated[bool, typer.Option("--insecure", help=INSECURE_HELP)] = False,
 ) -> None:
     """Push a model to a registry (only the blobs it lacks are uploaded)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -49,35 +50,78 @@ def find_model(client: DaemonClient, name: str, *, insecure: bool = False) -> di
     except NotFound as exc:
         raise ModelNotFound(name, f"model '{name}' is not here and the registry does not have it: {exc}") from None
     except CorralError as exc:
-        err = CorralError(f"model '{name}' is not here, and pulling it failed: {exc}")
-        err.status = getattr(exc, "status", None)  # type: ignore[attr-defined]
-        raise err from None
+        raise CorralError(f"model '{name}' is not here, and pulling it failed: {exc}", status=exc.status) from None
     return client.show(name)
+
+
+def parse_format(value: str | None) -> Any:
+    """``--format``: "json", a JSON schema (as text), or ``@file`` holding one; what the API's ``format`` takes.
+    None when unset."""
+    if value is None or value.strip() == "":
+        return None
+    text = value.strip()
+    if text == "json":
+        return "json"
+    shown = text if len(text) <= 60 else text[:57] + "..."
+    where = f'invalid format "{shown}"'
+    if text.startswith("@"):
+        path = Path(text[1:]).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidRequest(
+                f'{where}: cannot read the schema file "{path}": {getattr(exc, "strerror", None) or exc}'
+            ) from None
+    try:
+        parsed = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequest(
+            f'{where}: not "json" and not a JSON schema ({exc}); use "json", a JSON schema such '
+            'as \'{"type":"object","properties":{...}}\', or @schema.json'
+        ) from None
+    if parsed == "json":
+        return "json"
+    if not isinstance(parsed, dict):
+        raise InvalidRequest(f"{where}: a JSON schema must be an object, got {type(parsed).__name__}")
+    return parsed
 
 
 def run(
     model: Annotated[str, typer.Argument(metavar="MODEL", help="Model to run (pulled first if it is not here).")],
-    prompt: Annotated[list[str] | None, typer.Argument(metavar="[PROMPT]...",
-                                                       help="Prompt; without one, chat interactively.")] = None,
-    format: Annotated[str | None, typer.Option("--format", help='Response format ("json").')] = None,
-    think: Annotated[str | None, typer.Option("--think", is_flag=False, flag_value="true", metavar="[LEVEL]",
-                                              help="Let a thinking model think (true, false, high, medium, low, max)."
-                                              )] = None,
+    prompt: Annotated[
+        list[str] | None, typer.Argument(metavar="[PROMPT]...", help="Prompt; without one, chat interactively.")
+    ] = None,
+    format: Annotated[
+        str | None,
+        typer.Option("--format", help='Response format: "json", a JSON schema, or @FILE holding a JSON schema.'),
+    ] = None,
+    think: Annotated[
+        str | None,
+        typer.Option(
+            "--think",
+            is_flag=False,
+            flag_value="true",
+            metavar="[LEVEL]",
+            help="Let a thinking model think (true, false, high, medium, low, max).",
+        ),
+    ] = None,
     hide_thinking: Annotated[bool, typer.Option("--hidethinking", help="Don't print the model's thinking.")] = False,
-    keepalive: Annotated[str | None, typer.Option("--keepalive", metavar="DURATION",
-                                                  help='How long the model stays loaded (e.g. "5m", "1h", "-1").'
-                                                  )] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", help="Print timings and token rates after the answer.")
-                       ] = False,
+    keepalive: Annotated[
+        str | None,
+        typer.Option(
+            "--keepalive", metavar="DURATION", help='How long the model stays loaded (e.g. "5m", "1h", "-1").'
+        ),
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", help="Print timings and token rates after the answer.")] = False,
     insecure: Annotated[bool, typer.Option("--insecure", help="Allow plain HTTP when pulling the model.")] = False,
     nowordwrap: Annotated[bool, typer.Option("--nowordwrap", help="Don't wrap words to the terminal width.")] = False,
-    truncate: Annotated[bool | None, typer.Option("--truncate/--no-truncate",
-                                                  help="Embedding models: cut input that is too long.")] = None,
+    truncate: Annotated[
+        bool | None, typer.Option("--truncate/--no-truncate", help="Embedding models: cut input that is too long.")
+    ] = None,
     dimensions: Annotated[int | None, typer.Option("--dimensions", help="Embedding models: vector size.")] = None,
 ) -> None:
     """Run a model: answer a prompt, or chat with it."""
-    if format not in (None, "", "json"):
-        raise InvalidRequest(f'invalid format "{format}": the only format "corral run" accepts is "json"')
+    fmt = parse_format(format)
     think_v = think_value(think)
     words = list(prompt or [])
     stdin_tty, stdout_tty = sys.stdin.isatty(), sys.stdout.isatty()
@@ -102,13 +146,21 @@ def run(
         if interactive:
             from cli.interactive import Repl, Session
 
-            session = Session(model=model, info=info, format=format or None, think=think_v, keep_alive=keepalive,
-                              wordwrap=wordwrap, verbose=verbose, hide_thinking=hide_thinking)
+            session = Session(
+                model=model,
+                info=info,
+                format=fmt,
+                think=think_v,
+                keep_alive=keepalive,
+                wordwrap=wordwrap,
+                verbose=verbose,
+                hide_thinking=hide_thinking,
+            )
             Repl(client, session).run()
             return
         body: dict[str, Any] = {"model": model, "prompt": text}
-        if format:
-            body["format"] = format
+        if fmt is not None:
+            body["format"] = fmt
         if think_v is not None:
             body["think"] = think_v
         if keepalive is not None:
@@ -118,8 +170,9 @@ def run(
             raise typer.Exit(130)
 
 
-def embed(client: DaemonClient, model: str, text: str, keepalive: str | None, truncate: bool | None,
-          dimensions: int | None) -> None:
+def embed(
+    client: DaemonClient, model: str, text: str, keepalive: str | None, truncate: bool | None, dimensions: int | None
+) -> None:
     if not text:
         raise InvalidRequest(f'embedding models require input text. Usage: corral run {model} "your text here"')
     body: dict[str, Any] = {"model": model, "input": text}

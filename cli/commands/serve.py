@@ -18,8 +18,9 @@ def help_text() -> str:
 
 
 def serve(
-    insecure: Annotated[bool, typer.Option(
-        "--insecure", help="Allow listening on a non-loopback address without CORRAL_API_KEY.")] = False,
+    insecure: Annotated[
+        bool, typer.Option("--insecure", help="Allow listening on a non-loopback address without CORRAL_API_KEY.")
+    ] = False,
 ) -> int:
     """Start corral."""
     settings = Settings.from_env(os.environ)

@@ -57,8 +57,10 @@ def _kind() -> str:
         return "launchd"
     if system == "Linux":
         return "systemd"
-    raise ServiceError(f"corral service supports Linux (systemd) and macOS (launchd), not {system}; "
-                       "run \"corral serve\" under your own supervisor instead")
+    raise ServiceError(
+        f"corral service supports Linux (systemd) and macOS (launchd), not {system}; "
+        'run "corral serve" under your own supervisor instead'
+    )
 
 
 def _env_file_value(path: Path, key: str) -> str:
@@ -98,8 +100,10 @@ def _api_key_file(explicit: str | None, environ: dict[str, str]) -> str | None:
         return units.SYSTEM_API_KEY_FILE if Path(units.SYSTEM_API_KEY_FILE).is_file() else None
     path = Path(chosen).expanduser().absolute()
     if not path.is_file():
-        raise ServiceError(f"the API key file \"{path}\" does not exist; create it (the key on its first line, "
-                           "mode 0600, owned by root) or leave it out")
+        raise ServiceError(
+            f'the API key file "{path}" does not exist; create it (the key on its first line, '
+            "mode 0600, owned by root) or leave it out"
+        )
     return str(path)
 
 
@@ -115,24 +119,37 @@ def _gpu_groups() -> list[str]:
     return found
 
 
-def install_plan(scope: str, exe: str, home: Path, *, environ: dict[str, str] | None = None,
-                 api_key_file: str | None = None) -> Plan:
+def install_plan(
+    scope: str, exe: str, home: Path, *, environ: dict[str, str] | None = None, api_key_file: str | None = None
+) -> Plan:
     environ = dict(os.environ if environ is None else environ)
     plan = Plan()
     if _kind() == "launchd":
         plist = home / "Library" / "LaunchAgents" / f"{units.LAUNCHD_LABEL}.plist"
         plan.files.append((plist, units.launchd_plist(exe, home), 0o644))
-        plan.commands += [["mkdir", "-p", str(home / "Library" / "Logs" / "corral")],
-                          ["launchctl", "load", "-w", str(plist)]]
+        plan.commands += [
+            ["mkdir", "-p", str(home / "Library" / "Logs" / "corral")],
+            ["launchctl", "load", "-w", str(plist)],
+        ]
         return plan
     if scope == "system":
         unit = Path("/etc/systemd/system/corral.service")
-        text = units.system_unit(exe, memory_max=_memory_max(scope, home, environ),
-                                 api_key_file=_api_key_file(api_key_file, environ))
-        plan.files += [(unit, text.encode(), 0o644),
-                       (Path(units.SYSTEM_ENV_FILE), units.env_file().encode(), 0o640)]
-        plan.commands.append(["useradd", "--system", "--user-group", "--home-dir", "/var/lib/corral", "--shell",
-                              "/usr/sbin/nologin", "corral"])
+        text = units.system_unit(
+            exe, memory_max=_memory_max(scope, home, environ), api_key_file=_api_key_file(api_key_file, environ)
+        )
+        plan.files += [(unit, text.encode(), 0o644), (Path(units.SYSTEM_ENV_FILE), units.env_file().encode(), 0o640)]
+        plan.commands.append(
+            [
+                "useradd",
+                "--system",
+                "--user-group",
+                "--home-dir",
+                "/var/lib/corral",
+                "--shell",
+                "/usr/sbin/nologin",
+                "corral",
+            ]
+        )
         if groups := _gpu_groups():  # the GPU nodes' file permissions; DevicePolicy= admits only the GPU nodes
             plan.commands.append(["usermod", "--append", "--groups", ",".join(groups), "corral"])
         plan.commands += [
@@ -143,13 +160,19 @@ def install_plan(scope: str, exe: str, home: Path, *, environ: dict[str, str] | 
     else:
         unit = home / ".config" / "systemd" / "user" / "corral.service"
         if api_key_file:
-            raise ServiceError("--api-key-file is for --system; a user service reads CORRAL_API_KEY_FILE from "
-                               "~/.config/corral/corral.env")
+            raise ServiceError(
+                "--api-key-file is for --system; a user service reads CORRAL_API_KEY_FILE from "
+                "~/.config/corral/corral.env"
+            )
         text = units.user_unit(exe, memory_max=_memory_max(scope, home, environ))
-        plan.files += [(unit, text.encode(), 0o644),
-                       (home / ".config" / "corral" / "corral.env", units.env_file().encode(), 0o600)]
-        plan.commands += [["systemctl", "--user", "daemon-reload"],
-                          ["systemctl", "--user", "enable", "--now", "corral.service"]]
+        plan.files += [
+            (unit, text.encode(), 0o644),
+            (home / ".config" / "corral" / "corral.env", units.env_file().encode(), 0o600),
+        ]
+        plan.commands += [
+            ["systemctl", "--user", "daemon-reload"],
+            ["systemctl", "--user", "enable", "--now", "corral.service"],
+        ]
     return plan
 
 
@@ -173,15 +196,21 @@ def uninstall_plan(scope: str, home: Path) -> Plan:
 def _check_tools(plan: Plan, scope: str) -> None:
     for cmd in plan.commands:
         if cmd[0] in ("systemctl", "launchctl") and shutil.which(cmd[0]) is None:
-            raise ServiceError(f"{cmd[0]} was not found, so corral cannot be installed as a service here; run "
-                               "\"corral serve\" under your own supervisor (or use --dry-run to see the files)")
+            raise ServiceError(
+                f"{cmd[0]} was not found, so corral cannot be installed as a service here; run "
+                '"corral serve" under your own supervisor (or use --dry-run to see the files)'
+            )
     if _kind() == "systemd" and not Path("/run/systemd/system").is_dir():
-        raise ServiceError("systemd is not running on this machine (it is not PID 1, as in most containers), so "
-                           "corral cannot be installed as a service here; run \"corral serve\" under your own "
-                           "supervisor (or use --dry-run to see the files)")
+        raise ServiceError(
+            "systemd is not running on this machine (it is not PID 1, as in most containers), so "
+            'corral cannot be installed as a service here; run "corral serve" under your own '
+            "supervisor (or use --dry-run to see the files)"
+        )
     if scope == "system" and _kind() == "systemd" and os.geteuid() != 0:
-        raise ServiceError("installing the system service needs root: run \"sudo corral service install --system\" "
-                           "(or \"corral service install --user\" for your user only)")
+        raise ServiceError(
+            'installing the system service needs root: run "sudo corral service install --system" '
+            '(or "corral service install --user" for your user only)'
+        )
 
 
 def execute(plan: Plan, scope: str) -> None:
@@ -201,7 +230,7 @@ def execute(plan: Plan, scope: str) -> None:
             continue
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
-            raise ServiceError(f"\"{' '.join(cmd)}\" failed: {(r.stderr or r.stdout).strip()}")
+            raise ServiceError(f'"{" ".join(cmd)}" failed: {(r.stderr or r.stdout).strip()}')
         typer.echo("ran " + " ".join(cmd))
     for path in plan.remove:
         if path.exists():
@@ -212,9 +241,14 @@ def execute(plan: Plan, scope: str) -> None:
 Scope = Annotated[bool, typer.Option("--system", help="Install for the whole machine (root; Linux).")]
 User = Annotated[bool, typer.Option("--user", help="Install for this user only (the default).")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the files and commands; change nothing.")]
-KeyFile = Annotated[str | None, typer.Option(
-    "--api-key-file", help="Hand this key file to the system service as a systemd credential (default: "
-    f"CORRAL_API_KEY_FILE, else {units.SYSTEM_API_KEY_FILE} if it exists).")]
+KeyFile = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key-file",
+        help="Hand this key file to the system service as a systemd credential (default: "
+        f"CORRAL_API_KEY_FILE, else {units.SYSTEM_API_KEY_FILE} if it exists).",
+    ),
+]
 
 
 def _scope(system: bool, user: bool) -> str:
@@ -235,7 +269,7 @@ def install(user: User = False, system: Scope = False, dry_run: DryRun = False, 
         typer.echo(plan.show())
         return
     execute(plan, scope)
-    typer.echo(f"corral is installed as a {scope} service; \"corral service status\" shows it")
+    typer.echo(f'corral is installed as a {scope} service; "corral service status" shows it')
 
 
 @app.command("uninstall")

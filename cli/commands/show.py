@@ -31,11 +31,21 @@ def show(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also show metadata and tensors.")] = False,
 ) -> None:
     """Show information about a model."""
-    chosen = [flag for flag, on in (("license", license), ("modelfile", modelfile), ("parameters", parameters),
-                                    ("system", system), ("template", template)) if on]
+    chosen = [
+        flag
+        for flag, on in (
+            ("license", license),
+            ("modelfile", modelfile),
+            ("parameters", parameters),
+            ("system", system),
+            ("template", template),
+        )
+        if on
+    ]
     if len(chosen) > 1:
-        raise InvalidRequest("only one of '--license', '--modelfile', '--parameters', '--system', or "
-                             "'--template' can be specified")
+        raise InvalidRequest(
+            "only one of '--license', '--modelfile', '--parameters', '--system', or '--template' can be specified"
+        )
     with client_from_env() as client:
         info = client.show(name, verbose=verbose)
     if chosen:
@@ -86,10 +96,19 @@ def summary(info: dict[str, Any], verbose: bool = False) -> list[str]:
     projector = info.get("projector_info") or {}
     if projector:
         parch = str(projector.get("general.architecture") or "")
-        sections.append(("Projector", [[k, _value(v)] for k, v in (
-            ("architecture", parch),
-            ("embedding length", projector.get(f"{parch}.vision.embedding_length", "")),
-        ) if v]))
+        sections.append(
+            (
+                "Projector",
+                [
+                    [k, _value(v)]
+                    for k, v in (
+                        ("architecture", parch),
+                        ("embedding length", projector.get(f"{parch}.vision.embedding_length", "")),
+                    )
+                    if v
+                ],
+            )
+        )
     params = str(info.get("parameters") or "")
     sections.append(("Parameters", [[f[0], " ".join(f[1:])] for f in (ln.split() for ln in params.splitlines()) if f]))
     if info.get("system"):
@@ -99,10 +118,19 @@ def summary(info: dict[str, Any], verbose: bool = False) -> list[str]:
     if verbose:
         mi = info.get("model_info") or {}
         sections.append(("Metadata", [[k, _value(mi[k])] for k in sorted(mi)]))
-        sections.append(("Tensors", [
-            [str(t.get("name", "")), str(t.get("type", "")), "[" + " ".join(map(str, t.get("shape") or [])) + "]"]
-            for t in info.get("tensors") or []
-        ]))
+        sections.append(
+            (
+                "Tensors",
+                [
+                    [
+                        str(t.get("name", "")),
+                        str(t.get("type", "")),
+                        "[" + " ".join(map(str, t.get("shape") or [])) + "]",
+                    ]
+                    for t in info.get("tensors") or []
+                ],
+            )
+        )
     lines: list[str] = []
     for title, rows in sections:
         if not rows:

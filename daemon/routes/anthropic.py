@@ -20,9 +20,19 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from daemon.bodies import parse_model
-from daemon.compat import (BadParam, anthropic_error, first_then, get, guarded, read_json, shaped, sse_event,
-                           sse_response)
+from daemon.compat import (
+    BadParam,
+    anthropic_error,
+    first_then,
+    get,
+    guarded,
+    read_json,
+    shaped,
+    sse_event,
+    sse_response,
+)
 from daemon.inference import Inference
+from daemon.observe import note
 from daemon.routes.generate import build_messages, message_dict, render_chat, run_chat
 from daemon.routes.openai import call_schema
 from daemon.schemas import ChatRequestBody
@@ -31,7 +41,7 @@ router = APIRouter()
 
 
 def inference(request: Request) -> Inference:
-    return request.app.state.inference  # type: ignore[no-any-return]
+    return request.app.state.inference
 
 
 # -- request translation --------------------------------------------------------------------------------------
@@ -138,21 +148,31 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, Any]:
     choice = get(body, "tool_choice", "dict") or {"type": "auto"}
     if not tools or choice.get("type") == "none":
         return None, None
-    converted = []
+    converted: list[dict[str, Any]] = []
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or not isinstance(t.get("name"), str):
             raise BadParam(f"tools[{i}]", f"'tools[{i}]' must have a name and an input_schema")
-        converted.append({"type": "function", "function": {
-            "name": t["name"], "description": t.get("description") or "",
-            "parameters": t.get("input_schema") if isinstance(t.get("input_schema"), dict) else {"type": "object"}}})
+        converted.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": t["name"],
+                    "description": t.get("description") or "",
+                    "parameters": t.get("input_schema")
+                    if isinstance(t.get("input_schema"), dict)
+                    else {"type": "object"},
+                },
+            }
+        )
     kind = choice.get("type")
     if kind == "any":
         return converted, call_schema(converted)
     if kind == "tool":
         chosen = [t for t in converted if t["function"]["name"] == choice.get("name")]
         if not chosen:
-            raise BadParam("tool_choice.name", f"tool_choice names {choice.get('name')!r}, which is not among the "
-                                               "tools")
+            raise BadParam(
+                "tool_choice.name", f"tool_choice names {choice.get('name')!r}, which is not among the tools"
+            )
         return converted, call_schema(chosen)
     if kind != "auto":
         raise BadParam("tool_choice.type", "'tool_choice.type' must be auto, any, tool or none")
@@ -162,9 +182,18 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, Any]:
 def _chat_request(body: dict[str, Any], *, stream: bool) -> ChatRequestBody:
     model = get(body, "model", "str", required=True)
     tools, forced = _tools(body)
-    return parse_model(ChatRequestBody, {"model": model, "messages": _messages(body), "options": _options(body),
-                                         "tools": tools, "format": forced, "stream": stream,
-                                         "keep_alive": body.get("keep_alive")})
+    return parse_model(
+        ChatRequestBody,
+        {
+            "model": model,
+            "messages": _messages(body),
+            "options": _options(body),
+            "tools": tools,
+            "format": forced,
+            "stream": stream,
+            "keep_alive": body.get("keep_alive"),
+        },
+    )
 
 
 # -- response translation -------------------------------------------------------------------------------------
@@ -179,8 +208,12 @@ def _stop_reason(final: dict[str, Any], calls: bool) -> tuple[str, str | None]:
 
 
 def _tool_block(call: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "tool_use", "id": call.get("id") or f"toolu_{secrets.token_hex(12)}",
-            "name": call["function"]["name"], "input": call["function"].get("arguments") or {}}
+    return {
+        "type": "tool_use",
+        "id": call.get("id") or f"toolu_{secrets.token_hex(12)}",
+        "name": call["function"]["name"],
+        "input": call["function"].get("arguments") or {},
+    }
 
 
 @router.post("/v1/messages")
@@ -188,6 +221,7 @@ def _tool_block(call: dict[str, Any]) -> dict[str, Any]:
 async def messages(request: Request) -> Response:
     started = time.monotonic()
     body = await read_json(request)
+    note(model=body.get("model") if isinstance(body.get("model"), str) else "")
     stream = bool(get(body, "stream", "bool"))
     req = _chat_request(body, stream=stream)
     _, chunks = await run_chat(inference(request), req, started, count_prompt=stream)
@@ -199,9 +233,11 @@ async def messages(request: Request) -> Response:
     return sse_response(guarded(_events(first, rest, mid, req.model_name), rest, _error_event))
 
 
-async def _whole(first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]], mid: str,
-                 model: str) -> dict[str, Any]:
-    text, calls, last, chunk = "", [], first or {}, first
+async def _whole(
+    first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]], mid: str, model: str
+) -> dict[str, Any]:
+    calls: list[Any] = []
+    text, last, chunk = "", first or {}, first
     while chunk is not None:
         msg = chunk.get("message") or {}
         text += msg.get("content") or ""
@@ -211,23 +247,45 @@ async def _whole(first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any
     content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text or not calls else []
     content += [_tool_block(c) for c in calls]
     reason, seq = _stop_reason(last, bool(calls))
-    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": reason, "stop_sequence": seq,
-            "usage": {"input_tokens": int(last.get("prompt_eval_count") or 0),
-                      "output_tokens": int(last.get("eval_count") or 0)}}
+    return {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": reason,
+        "stop_sequence": seq,
+        "usage": {
+            "input_tokens": int(last.get("prompt_eval_count") or 0),
+            "output_tokens": int(last.get("eval_count") or 0),
+        },
+    }
 
 
 def _error_event(message: str) -> bytes:
     return sse_event("error", {"type": "error", "error": {"type": "api_error", "message": message}})
 
 
-async def _events(first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]], mid: str,
-                  model: str) -> AsyncGenerator[bytes, None]:
-    yield sse_event("message_start", {"type": "message_start", "message": {
-        "id": mid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
-        "stop_sequence": None,
-        # the prompt's exact length, known before the first token (Ollama sends an estimate: characters / 4)
-        "usage": {"input_tokens": int((first or {}).get("_prompt_eval_count") or 0), "output_tokens": 0}}})
+async def _events(
+    first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]], mid: str, model: str
+) -> AsyncGenerator[bytes, None]:
+    yield sse_event(
+        "message_start",
+        {
+            "type": "message_start",
+            "message": {
+                "id": mid,
+                "type": "message",
+                "role": "assistant",
+                "model": model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                # the prompt's exact length, known before the first token (Ollama sends an estimate: characters / 4)
+                "usage": {"input_tokens": int((first or {}).get("_prompt_eval_count") or 0), "output_tokens": 0},
+            },
+        },
+    )
     yield sse_event("ping", {"type": "ping"})
     index, text_open, any_calls, chunk = 0, False, False, first
     while chunk is not None:
@@ -236,30 +294,49 @@ async def _events(first: dict[str, Any] | None, rest: AsyncIterator[dict[str, An
             if text_open:
                 yield sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
             reason, seq = _stop_reason(chunk, any_calls)
-            yield sse_event("message_delta", {
-                "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                "usage": {"input_tokens": int(chunk.get("prompt_eval_count") or 0),
-                          "output_tokens": int(chunk.get("eval_count") or 0)}})
+            yield sse_event(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": reason, "stop_sequence": seq},
+                    "usage": {
+                        "input_tokens": int(chunk.get("prompt_eval_count") or 0),
+                        "output_tokens": int(chunk.get("eval_count") or 0),
+                    },
+                },
+            )
             yield sse_event("message_stop", {"type": "message_stop"})
             return
         text = msg.get("content") or ""
         if text:
             if not text_open:
-                yield sse_event("content_block_start", {"type": "content_block_start", "index": index,
-                                                        "content_block": {"type": "text", "text": ""}})
+                yield sse_event(
+                    "content_block_start",
+                    {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}},
+                )
                 text_open = True
-            yield sse_event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                    "delta": {"type": "text_delta", "text": text}})
+            yield sse_event(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}},
+            )
         for call in msg.get("tool_calls") or []:
             if text_open:
                 yield sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
                 index, text_open = index + 1, False
             any_calls = True
             block = _tool_block(call)
-            yield sse_event("content_block_start", {"type": "content_block_start", "index": index,
-                                                    "content_block": {**block, "input": {}}})
-            yield sse_event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                "type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
+            yield sse_event(
+                "content_block_start",
+                {"type": "content_block_start", "index": index, "content_block": {**block, "input": {}}},
+            )
+            yield sse_event(
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": index,
+                    "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])},
+                },
+            )
             yield sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
             index += 1
         chunk = await anext(rest, None)
@@ -270,6 +347,7 @@ async def _events(first: dict[str, Any] | None, rest: AsyncIterator[dict[str, An
 @shaped(anthropic_error)
 async def count_tokens(request: Request) -> Response:
     body = await read_json(request)
+    note(model=body.get("model") if isinstance(body.get("model"), str) else "")
     body.setdefault("max_tokens", 1)
     req = _chat_request(body, stream=False)
     inf = inference(request)

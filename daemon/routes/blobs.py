@@ -13,7 +13,7 @@ router = APIRouter()
 
 
 def store(request: Request) -> Store:
-    return request.app.state.store  # type: ignore[no-any-return]
+    return request.app.state.store
 
 
 @router.head("/api/blobs/{digest}")

@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from daemon.bodies import read_model
 from daemon.inference import Inference, keep_alive_value, normalise
+from daemon.observe import note
 from daemon.schemas import EmbeddingsRequestBody, EmbedRequestBody
 from registry.errors import InvalidRequest, ModelNotFound
 
@@ -18,11 +19,12 @@ router = APIRouter()
 
 
 def inference(request: Request) -> Inference:
-    return request.app.state.inference  # type: ignore[no-any-return]
+    return request.app.state.inference
 
 
 async def run_embed(inf: Inference, req: EmbedRequestBody, started: float) -> dict[str, Any]:
     """Ollama's ``/api/embed`` result for ``req`` (shared with ``/v1/embeddings``)."""
+    note(model=req.model_name)
     if not req.model_name:
         raise ModelNotFound("")
     inputs: list[str]
@@ -68,6 +70,7 @@ async def embed(request: Request) -> dict[str, Any]:
 @router.post("/api/embeddings")
 async def embeddings(request: Request) -> dict[str, Any]:
     req = await read_model(request, EmbeddingsRequestBody)
+    note(model=req.model_name)
     if not req.model_name:
         raise InvalidRequest("model is required")
     inf = inference(request)

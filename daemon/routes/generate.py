@@ -19,8 +19,8 @@ from starlette.concurrency import run_in_threadpool
 from daemon import prompt as prompts
 from daemon.bodies import read_model
 from daemon.errors import error_response
-from daemon.observe import note
 from daemon.inference import Inference, ModelContext, keep_alive_value, now_rfc3339
+from daemon.observe import note
 from daemon.runners.base import Done, GenerateRequest, RunnerCrashed, SampleParams, Token
 from daemon.scheduler import Lease
 from daemon.schemas import ChatMessage, ChatRequestBody, GenerateRequestBody, InferenceRequest
@@ -32,7 +32,7 @@ NDJSON = "application/x-ndjson"
 
 
 def inference(request: Request) -> Inference:
-    return request.app.state.inference  # type: ignore[no-any-return]
+    return request.app.state.inference
 
 
 def _line(obj: dict[str, Any]) -> bytes:
@@ -62,7 +62,7 @@ async def respond(chunks: AsyncIterator[dict[str, Any]], *, stream: bool, text_k
         if logprobs:
             final["logprobs"] = logprobs
         if text_key == "message":
-            msg = {"role": "assistant", "content": "".join(parts)}
+            msg: dict[str, Any] = {"role": "assistant", "content": "".join(parts)}
             if thinking:
                 msg["thinking"] = "".join(thinking)
             if tool_calls:
@@ -120,9 +120,14 @@ def _check_images(ctx: ModelContext, images: list[str] | None) -> None:
 
 
 def _metrics(done: Done, started: float, lease: Lease) -> dict[str, Any]:
-    note(model=lease.ref.name, prompt_eval_count=done.prompt_eval_count, prompt_cached=done.prompt_cached,
-         eval_count=done.eval_count,
-         eval_duration=done.eval_duration, ttft=lease.load_duration + done.prompt_eval_duration / 1e9)
+    note(
+        model=lease.ref.name,
+        prompt_eval_count=done.prompt_eval_count,
+        prompt_cached=done.prompt_cached,
+        eval_count=done.eval_count,
+        eval_duration=done.eval_duration,
+        ttft=lease.load_duration + done.prompt_eval_duration / 1e9,
+    )
     return {
         "total_duration": int((time.monotonic() - started) * 1e9),
         "load_duration": int(lease.load_duration * 1e9),
@@ -158,8 +163,12 @@ async def _stream_tokens(lease: Lease, greq: GenerateRequest) -> AsyncIterator[T
         lease.release()
 
 
-async def _load_only(inf: Inference, ctx: ModelContext, keep_alive: float | None, opts: dict[str, Any],
-                     ) -> None:
+async def _load_only(
+    inf: Inference,
+    ctx: ModelContext,
+    keep_alive: float | None,
+    opts: dict[str, Any],
+) -> None:
     lease = await inf.acquire(ctx, inf.load_spec(ctx, opts), keep_alive)
     lease.release()
 
@@ -171,10 +180,14 @@ def _model_name_or_error(raw: str, *, empty_is_404: bool) -> None:
         raise InvalidRequest("model is required")
 
 
-async def run_generate(inf: Inference, req: GenerateRequestBody, started: float,
-                       ) -> tuple[dict[str, Any] | None, AsyncIterator[dict[str, Any]] | None]:
+async def run_generate(
+    inf: Inference,
+    req: GenerateRequestBody,
+    started: float,
+) -> tuple[dict[str, Any] | None, AsyncIterator[dict[str, Any]] | None]:
     """Check ``req`` and start it: ``(final, None)`` for a load or unload, else ``(None, chunks)`` (Ollama's
     generate objects, the last with the metrics). Errors before the first chunk raise."""
+    note(model=req.model_name)
     _check_common(req)
     _model_name_or_error(req.model_name, empty_is_404=True)
     ctx = await run_in_threadpool(inf.model, req.model_name)
@@ -204,15 +217,20 @@ async def run_generate(inf: Inference, req: GenerateRequestBody, started: float,
     else:
         system = req.system if req.system is not None else ctx.system
         history = [] if req.context else ctx.messages
-        text = prompts.render_generate(
+        text = await prompts.offload(  # off the event loop, bounded in time and memory (daemon/prompt.py)
+            prompts.render_generate,
             req.template if req.template else ctx.template,
             None if req.template else ctx.chat_template,
-            prompt=req.prompt, system=system, suffix=req.suffix or None, messages_history=history,
+            prompt=req.prompt,
+            system=system,
+            suffix=req.suffix or None,
+            messages_history=history,
         )
     if inf.settings.log_prompts:
         note(prompt=text)
-    greq = GenerateRequest(prompt=text, params=params, context=tuple(req.context or ()), shift=req.shift,
-                           truncate=req.truncate)
+    greq = GenerateRequest(
+        prompt=text, params=params, context=tuple(req.context or ()), shift=req.shift, truncate=req.truncate
+    )
     lease = await inf.acquire(ctx, inf.load_spec(ctx, opts), keep_alive)
 
     async def chunks() -> AsyncIterator[dict[str, Any]]:
@@ -223,8 +241,13 @@ async def run_generate(inf: Inference, req: GenerateRequestBody, started: float,
                     chunk["logprobs"] = [event.logprobs]
                 yield chunk
             else:
-                final = {**base, "created_at": now_rfc3339(), "response": "", "done": True,
-                         "done_reason": event.done_reason}
+                final = {
+                    **base,
+                    "created_at": now_rfc3339(),
+                    "response": "",
+                    "done": True,
+                    "done_reason": event.done_reason,
+                }
                 if not req.raw:
                     final["context"] = list(event.context)
                 final.update(_metrics(event, started, lease))
@@ -257,8 +280,13 @@ def message_dict(m: ChatMessage) -> dict[str, Any]:
         out["images"] = m.images
     if m.tool_calls:
         out["tool_calls"] = [
-            {"function": {"name": c.function.name, "arguments": c.function.arguments,
-                          **({"index": c.function.index} if c.function.index is not None else {})}}
+            {
+                "function": {
+                    "name": c.function.name,
+                    "arguments": c.function.arguments,
+                    **({"index": c.function.index} if c.function.index is not None else {}),
+                }
+            }
             for c in m.tool_calls
         ]
     if m.tool_name:
@@ -275,20 +303,56 @@ def build_messages(ctx: ModelContext, request_messages: list[dict[str, Any]]) ->
     return msgs
 
 
-async def render_chat(lease: Lease, ctx: ModelContext, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                      num_ctx: int, truncate: bool, think: Any) -> str:
-    """Render, dropping the oldest non-system messages until the prompt fits num_ctx (the last always stays)."""
-    kept = list(msgs)
-    while True:
-        text = prompts.render_messages(ctx.template, ctx.chat_template, kept, tools=tools,
-                                       think=think if isinstance(think, bool) else None)
-        if not truncate:
-            return text
-        n = len(await lease.runner.tokenize(text))
-        droppable = [i for i, m in enumerate(kept[:-1]) if m["role"] != "system"]
-        if n <= num_ctx or not droppable:
-            return text
-        del kept[droppable[0]]
+TRUNCATE_SECONDS = 30.0  # the most fitting one chat into its context may take
+
+
+async def render_chat(
+    lease: Lease,
+    ctx: ModelContext,
+    msgs: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    num_ctx: int,
+    truncate: bool,
+    think: Any,
+) -> str:
+    """Render, dropping the oldest non-system messages until the prompt fits num_ctx (the last always stays; with
+    none left to drop, the shortest prompt is used). How many to drop is found by binary search, so a long chat
+    takes O(log n) renders and tokenizations rather than n, each render in a worker thread (prompts.offload); the
+    prompt is the one dropping them one at a time gives, as the prompt never grows when a message is dropped."""
+    flag = think if isinstance(think, bool) else None
+
+    async def render(kept: list[dict[str, Any]]) -> str:
+        return await prompts.offload(
+            prompts.render_messages, ctx.template, ctx.chat_template, kept, tools=tools, think=flag
+        )
+
+    text = await render(msgs)
+    if not truncate:
+        return text
+    droppable = [i for i, m in enumerate(msgs[:-1]) if m["role"] != "system"]
+    if not droppable or len(await lease.runner.tokenize(text)) <= num_ctx:
+        return text
+    deadline = time.monotonic() + TRUNCATE_SECONDS
+
+    def without(k: int) -> list[dict[str, Any]]:
+        gone = set(droppable[:k])
+        return [m for i, m in enumerate(msgs) if i not in gone]
+
+    lo, hi = 1, len(droppable)  # the fewest drops that fit lie in [lo, hi] (hi: all of them, fitting or not)
+    fitting: tuple[int, str] | None = None
+    while lo < hi:
+        if time.monotonic() > deadline:
+            raise InvalidRequest(
+                f"fitting {len(msgs)} messages into the context (num_ctx {num_ctx}) took longer "
+                f"than {TRUNCATE_SECONDS:g}s; send fewer or shorter messages"
+            )
+        mid = (lo + hi) // 2
+        text = await render(without(mid))
+        if len(await lease.runner.tokenize(text)) <= num_ctx:
+            hi, fitting = mid, (mid, text)
+        else:
+            lo = mid + 1
+    return fitting[1] if fitting is not None and fitting[0] == lo else await render(without(lo))
 
 
 _TOOL_TAG = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -302,7 +366,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
         stripped = text.strip()
         for prefix in ("[TOOL_CALLS]", "<|python_tag|>", "```json", "```"):
             if stripped.startswith(prefix):
-                stripped = stripped[len(prefix):].strip().removesuffix("```").strip()
+                stripped = stripped[len(prefix) :].strip().removesuffix("```").strip()
         if stripped.startswith(("{", "[")):
             candidates, remainder = [stripped], ""
     calls: list[dict[str, Any]] = []
@@ -314,7 +378,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
         for item in value if isinstance(value, list) else [value]:
             if not isinstance(item, dict):
                 return text, []
-            fn = item.get("function") if isinstance(item.get("function"), dict) else item
+            fn: dict[str, Any] = item["function"] if isinstance(item.get("function"), dict) else item
             name = fn.get("name")
             args = fn.get("arguments", fn.get("parameters", {}))
             if isinstance(args, str):
@@ -324,18 +388,27 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
                     return text, []
             if not isinstance(name, str) or not isinstance(args, dict):
                 return text, []
-            calls.append({"id": "call_" + "".join(secrets.choice(string.ascii_lowercase + string.digits)
-                                                  for _ in range(8)),
-                          "function": {"index": len(calls), "name": name, "arguments": args}})
+            calls.append(
+                {
+                    "id": "call_" + "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8)),
+                    "function": {"index": len(calls), "name": name, "arguments": args},
+                }
+            )
     return remainder, calls
 
 
-async def run_chat(inf: Inference, req: ChatRequestBody, started: float, *, count_prompt: bool = False,
-                   ) -> tuple[dict[str, Any] | None, AsyncIterator[dict[str, Any]] | None]:
+async def run_chat(
+    inf: Inference,
+    req: ChatRequestBody,
+    started: float,
+    *,
+    count_prompt: bool = False,
+) -> tuple[dict[str, Any] | None, AsyncIterator[dict[str, Any]] | None]:
     """Check ``req`` and start it: ``(final, None)`` for a load or unload, else ``(None, chunks)`` (Ollama's
     chat objects, the last with the metrics). Errors before the first chunk raise. ``count_prompt``: tokenize the
     prompt first and put its length on the first chunk as ``_prompt_eval_count`` (for a stream that must say it
     before the end, as Anthropic's message_start does)."""
+    note(model=req.model_name)
     _check_common(req)
     _model_name_or_error(req.model_name, empty_is_404=False)
     ctx = await run_in_threadpool(inf.model, req.model_name)
@@ -345,8 +418,13 @@ async def run_chat(inf: Inference, req: ChatRequestBody, started: float, *, coun
 
     if not req.messages and keep_alive == 0 and req.keep_alive is not None:
         await inf.scheduler.stop(ctx.ref.key)
-        return {**base, "created_at": now_rfc3339(), "message": empty_message, "done": True,
-                "done_reason": "unload"}, None
+        return {
+            **base,
+            "created_at": now_rfc3339(),
+            "message": empty_message,
+            "done": True,
+            "done_reason": "unload",
+        }, None
     if "completion" not in ctx.capabilities:
         raise InvalidRequest(f'"{req.model_name}" does not support chat')
     if req.tools and "tools" not in ctx.capabilities:
@@ -360,13 +438,19 @@ async def run_chat(inf: Inference, req: ChatRequestBody, started: float, *, coun
 
     if not req.messages:
         await _load_only(inf, ctx, keep_alive, opts)
-        return {**base, "created_at": now_rfc3339(), "message": empty_message, "done": True,
-                "done_reason": "load"}, None
+        return {
+            **base,
+            "created_at": now_rfc3339(),
+            "message": empty_message,
+            "done": True,
+            "done_reason": "load",
+        }, None
 
     lease = await inf.acquire(ctx, spec, keep_alive)
     try:
-        text = await render_chat(lease, ctx, build_messages(ctx, request_messages), req.tools, spec.num_ctx,
-                                 req.truncate, req.think)
+        text = await render_chat(
+            lease, ctx, build_messages(ctx, request_messages), req.tools, spec.num_ctx, req.truncate, req.think
+        )
         prompt_count = len(await lease.runner.tokenize(text)) if count_prompt else None
     except BaseException:
         lease.release()
@@ -393,8 +477,12 @@ async def run_chat(inf: Inference, req: ChatRequestBody, started: float, *, coun
                     if event.logprobs is not None:
                         held_logprobs.append(event.logprobs)
                     continue
-                chunk = {**base, "created_at": now_rfc3339(),
-                         "message": {"role": "assistant", "content": event.text}, "done": False}
+                chunk = {
+                    **base,
+                    "created_at": now_rfc3339(),
+                    "message": {"role": "assistant", "content": event.text},
+                    "done": False,
+                }
                 if event.logprobs is not None:
                     chunk["logprobs"] = [event.logprobs]
                 yield tell(chunk)
@@ -408,8 +496,13 @@ async def run_chat(inf: Inference, req: ChatRequestBody, started: float, *, coun
                 if held_logprobs:
                     chunk["logprobs"] = held_logprobs
                 yield tell(chunk)
-            final = {**base, "created_at": now_rfc3339(), "message": dict(empty_message), "done": True,
-                     "done_reason": event.done_reason}
+            final = {
+                **base,
+                "created_at": now_rfc3339(),
+                "message": dict(empty_message),
+                "done": True,
+                "done_reason": event.done_reason,
+            }
             final.update(_metrics(event, started, lease))
             if event.stop_sequence is not None:
                 final["_stop_sequence"] = event.stop_sequence  # for /v1/messages; removed before Ollama's wire

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 
-from daemon.version import VERSION
+from daemon.version import OLLAMA_COMPAT_VERSION, VERSION
 
 router = APIRouter()
 
@@ -17,4 +17,7 @@ def root() -> str:
 
 @router.api_route("/api/version", methods=["GET", "HEAD"])
 def version() -> dict[str, str]:
-    return {"version": VERSION}
+    """``version`` is the Ollama release whose API corral implements: apps that check the server (VS Code's
+    Copilot wants Ollama 0.6.4 or newer) compare it with what they need. corral's own version is
+    ``corral_version``."""
+    return {"version": OLLAMA_COMPAT_VERSION, "corral_version": VERSION}

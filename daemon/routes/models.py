@@ -9,6 +9,7 @@ from starlette.concurrency import run_in_threadpool
 
 from daemon.bodies import read_model
 from daemon.catalog import Catalog
+from daemon.observe import note
 from daemon.schemas import CopyRequest, DeleteRequest, ShowRequest
 from registry.errors import InvalidRequest
 
@@ -16,7 +17,7 @@ router = APIRouter()
 
 
 def catalog(request: Request) -> Catalog:
-    return request.app.state.catalog  # type: ignore[no-any-return]
+    return request.app.state.catalog
 
 
 @router.api_route("/api/tags", methods=["GET", "HEAD"])
@@ -27,6 +28,7 @@ async def tags(request: Request) -> dict[str, Any]:
 @router.post("/api/show")
 async def show(request: Request) -> dict[str, Any]:
     req = await read_model(request, ShowRequest)
+    note(model=req.model_name)
     if not req.model_name:
         raise InvalidRequest("model is required")
     return await run_in_threadpool(
@@ -37,6 +39,7 @@ async def show(request: Request) -> dict[str, Any]:
 @router.post("/api/copy")
 async def copy(request: Request) -> Response:
     req = await read_model(request, CopyRequest)
+    note(model=req.source)
     await run_in_threadpool(catalog(request).copy, req.source, req.destination)
     return Response(status_code=200)
 
@@ -44,5 +47,6 @@ async def copy(request: Request) -> Response:
 @router.delete("/api/delete")
 async def delete(request: Request) -> Response:
     req = await read_model(request, DeleteRequest)
+    note(model=req.model_name)
     await run_in_threadpool(catalog(request).delete, req.model_name)
     return Response(status_code=200)

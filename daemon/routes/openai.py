@@ -5,36 +5,54 @@ errors take OpenAI's shapes (server-sent events ending with ``data: [DONE]`` whe
 absent temperature or top_p means 1.0. Beyond Ollama: an ``options`` object in the body (the SDKs send it with
 ``extra_body``) passes any Ollama option, such as ``num_ctx``; ``tool_choice`` "required" or naming a function
 forces the call with a grammar; ``logprobs``/``top_logprobs`` work; ``echo`` works in completions.
+
+``n`` (1 to 16) returns n choices, generated at once as n sequences that the runner decodes side by side (with a
+``seed``, choice i uses seed + i); ``logit_bias`` is added to the logits before every sampling step (-100 bans a
+token, +100 forces it). A field corral does not know is ignored, as SDKs add new ones; a known OpenAI field that
+corral cannot honour (audio, prediction, web_search_options, functions...) is refused with a 400 naming it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import secrets
 import struct
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from daemon.bodies import parse_model
-from daemon.compat import (BadParam, first_then, get, guarded, openai_error, read_json, shaped, sse_data, sse_response,
-                           stops)
+from daemon.compat import (
+    BadParam,
+    first_then,
+    get,
+    guarded,
+    openai_error,
+    read_json,
+    shaped,
+    sse_data,
+    sse_response,
+    stops,
+)
 from daemon.inference import Inference
+from daemon.observe import note
 from daemon.routes.embed import run_embed
 from daemon.routes.generate import run_chat, run_generate
+from daemon.runners.sampling import parse_logit_bias
 from daemon.schemas import ChatRequestBody, EmbedRequestBody, GenerateRequestBody
-from registry.errors import InvalidRequest
+from registry.errors import CorralError, InvalidRequest
 
 router = APIRouter()
 FINGERPRINT = "fp_corral"
 
 
 def inference(request: Request) -> Inference:
-    return request.app.state.inference  # type: ignore[no-any-return]
+    return request.app.state.inference
 
 
 def _id(prefix: str) -> str:
@@ -49,8 +67,13 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
     extra = get(body, "options", "dict")
     if extra:
         opts.update(extra)
-    for name, kind, lo, hi in (("temperature", "num", 0, 2), ("top_p", "num", 0, 1), ("seed", "int", None, None),
-                               ("frequency_penalty", "num", -2, 2), ("presence_penalty", "num", -2, 2)):
+    for name, kind, lo, hi in (
+        ("temperature", "num", 0, 2),
+        ("top_p", "num", 0, 1),
+        ("seed", "int", None, None),
+        ("frequency_penalty", "num", -2, 2),
+        ("presence_penalty", "num", -2, 2),
+    ):
         value = get(body, name, kind, lo=lo, hi=hi)
         if value is not None:
             opts[name] = value
@@ -62,17 +85,71 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
     stop = stops(body.get("stop"), "stop")
     if stop:
         opts["stop"] = stop
+    bias = _logit_bias(body)
+    if bias:
+        opts["logit_bias"] = [list(pair) for pair in bias]
     return opts
 
 
+MAX_CHOICES = 16  # n's bound: OpenAI allows 128, but each choice takes one of the runner's sequence slots
+
+
 def _unsupported(body: dict[str, Any]) -> None:
-    """Refuse what would silently change the answer's meaning: several choices, or token biases."""
-    n = get(body, "n", "int", lo=1)
-    if n is not None and n > 1:
-        raise BadParam("n", "'n' must be 1: corral returns one choice per request (send several requests)")
-    if get(body, "logit_bias", "dict"):
-        raise BadParam("logit_bias", "'logit_bias' is not supported; use a grammar through response_format, or "
-                                     "leave it out")
+    """Refuse, naming it, an OpenAI field that corral knows but cannot honour and that would change the answer's
+    meaning if ignored. A field corral does not know at all is ignored (the SDKs add new ones all the time), and
+    so are hints that do not change the answer: service_tier, store, metadata, user, safety_identifier,
+    prompt_cache_key, prompt_cache_retention, reasoning_effort, verbosity, stream_options.include_obfuscation."""
+    if body.get("audio") is not None:
+        raise BadParam("audio", "'audio' output is not supported: corral generates text only; leave 'audio' out")
+    modalities = body.get("modalities")
+    if modalities is not None:
+        if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):
+            raise BadParam("modalities", "'modalities' must be an array of strings")
+        if any(m != "text" for m in modalities):
+            raise BadParam("modalities", "'modalities' may only be [\"text\"]: corral generates text only")
+    if body.get("prediction") is not None:
+        raise BadParam("prediction", "'prediction' (Predicted Outputs) is not supported; leave it out")
+    if body.get("web_search_options") is not None:
+        raise BadParam(
+            "web_search_options",
+            "'web_search_options' is not supported: corral does not search the "
+            "web; leave it out, or offer the model a search function in 'tools'",
+        )
+    for name in ("functions", "function_call"):
+        if body.get(name) is not None:
+            raise BadParam(name, f"'{name}' (deprecated by OpenAI) is not supported: use 'tools' and 'tool_choice'")
+
+
+def _choice_count(body: dict[str, Any]) -> int:
+    """``n``: 1 to MAX_CHOICES choices, generated side by side as sequences of the runner."""
+    n = get(body, "n", "int")
+    if n is None:
+        return 1
+    if not 1 <= n <= MAX_CHOICES:
+        raise BadParam(
+            "n",
+            f"'n' must be between 1 and {MAX_CHOICES}, got {n}: corral generates the choices side "
+            "by side in the model's sequence slots and bounds n (OpenAI allows 128); send several "
+            "requests for more",
+        )
+    return int(n)
+
+
+def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``, checked (the ids' upper bound, the model's vocabulary, by the runner)."""
+    value = get(body, "logit_bias", "dict")
+    try:
+        return parse_logit_bias(value)
+    except ValueError as exc:
+        raise BadParam("logit_bias", f"'logit_bias' {exc}") from None
+
+
+def _for_choice(opts: dict[str, Any], i: int) -> dict[str, Any]:
+    """Choice ``i``'s options: with a fixed seed, seed + i, so the choices differ yet are reproducible."""
+    seed = opts.get("seed")
+    if i == 0 or isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        return opts
+    return {**opts, "seed": (seed + i) % (1 << 63)}
 
 
 def _content_text(content: Any, where: str) -> tuple[str, list[str]]:
@@ -94,8 +171,10 @@ def _content_text(content: Any, where: str) -> tuple[str, list[str]]:
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
             if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
-                raise BadParam(f"{where}[{i}].image_url", "images must be base64 data URLs "
-                                                          "(data:image/png;base64,...); corral never fetches URLs")
+                raise BadParam(
+                    f"{where}[{i}].image_url",
+                    "images must be base64 data URLs (data:image/png;base64,...); corral never fetches URLs",
+                )
             images.append(url.split(",", 1)[1])
         else:
             raise BadParam(f"{where}[{i}].type", f"unsupported content part type {kind!r}: use text or image_url")
@@ -116,12 +195,15 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if role == "developer":
             role = "system"
         if role not in ("system", "user", "assistant", "tool"):
-            raise BadParam(f"{where}.role", f"'{where}.role' must be system, developer, user, assistant or tool, "
-                                             f"got {role!r}")
+            raise BadParam(
+                f"{where}.role", f"'{where}.role' must be system, developer, user, assistant or tool, got {role!r}"
+            )
         calls = get(m, "tool_calls", "list", where=f"{where}.") if role == "assistant" else None
         if m.get("content") is None and not calls:
-            raise BadParam(f"{where}.content", f"'{where}.content' is required (it may be null only in an "
-                                               "assistant message with tool_calls)")
+            raise BadParam(
+                f"{where}.content",
+                f"'{where}.content' is required (it may be null only in an assistant message with tool_calls)",
+            )
         text, images = _content_text(m.get("content"), f"{where}.content")
         msg: dict[str, Any] = {"role": role, "content": text}
         if images:
@@ -169,11 +251,14 @@ def _format(body: dict[str, Any]) -> Any:
         spec = rf.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise BadParam("response_format.json_schema.schema", "'response_format.json_schema.schema' must be "
-                                                                  "a JSON schema object")
+            raise BadParam(
+                "response_format.json_schema.schema",
+                "'response_format.json_schema.schema' must be a JSON schema object",
+            )
         return schema
-    raise BadParam("response_format.type", f"unsupported response_format type {kind!r}: use text, json_object "
-                                           "or json_schema")
+    raise BadParam(
+        "response_format.type", f"unsupported response_format type {kind!r}: use text, json_object or json_schema"
+    )
 
 
 def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, Any]:
@@ -186,8 +271,10 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, Any]:
         return None, None
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or not isinstance((t.get("function") or {}).get("name"), str):
-            raise BadParam(f"tools[{i}]", f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": "
-                                          f"{{\"name\": ..., \"parameters\": ...}}}}")
+            raise BadParam(
+                f"tools[{i}]",
+                f'\'tools[{i}]\' must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}',
+            )
     forced: list[dict[str, Any]] = []
     if choice == "required":
         forced = tools
@@ -207,8 +294,13 @@ def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
     for t in tools:
         fn = t["function"]
         params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {"type": "object"}
-        options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                        "required": ["name", "arguments"]})
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+            }
+        )
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
@@ -222,9 +314,11 @@ def _finish(done_reason: str | None, tool_calls: bool) -> str:
 def _openai_calls(calls: list[dict[str, Any]], *, with_index: bool = False) -> list[dict[str, Any]]:
     out = []
     for i, c in enumerate(calls):
-        item: dict[str, Any] = {"id": c.get("id") or _id("call"), "type": "function",
-                                "function": {"name": c["function"]["name"],
-                                             "arguments": json.dumps(c["function"].get("arguments") or {})}}
+        item: dict[str, Any] = {
+            "id": c.get("id") or _id("call"),
+            "type": "function",
+            "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"].get("arguments") or {})},
+        }
         if with_index:
             item["index"] = i
         out.append(item)
@@ -232,17 +326,32 @@ def _openai_calls(calls: list[dict[str, Any]], *, with_index: bool = False) -> l
 
 
 def _openai_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": e.get("bytes"),
-                         "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": t.get("bytes")}
-                                          for t in e.get("top_logprobs") or []]} for e in entries]}
+    return {
+        "content": [
+            {
+                "token": e["token"],
+                "logprob": e["logprob"],
+                "bytes": e.get("bytes"),
+                "top_logprobs": [
+                    {"token": t["token"], "logprob": t["logprob"], "bytes": t.get("bytes")}
+                    for t in e.get("top_logprobs") or []
+                ],
+            }
+            for e in entries
+        ]
+    }
 
 
 def _usage(final: dict[str, Any]) -> dict[str, Any]:
     """OpenAI's usage. prompt_tokens counts every prompt token (as Ollama); of them, cached_tokens were found in
     the runner's KV cache (or restored from RAM) and not evaluated again, as OpenAI reports its prompt caching."""
     p, c = int(final.get("prompt_eval_count") or 0), int(final.get("eval_count") or 0)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": int(final.get("_prompt_cached") or 0)}}
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": int(final.get("_prompt_cached") or 0)},
+    }
 
 
 def _logprob_request(body: dict[str, Any]) -> tuple[bool, int]:
@@ -265,11 +374,99 @@ def _completion_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-def openai_stream(frames: AsyncGenerator[bytes, None], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+def openai_stream(frames: AsyncGenerator[bytes, None], rest: AsyncIterator[Any]) -> AsyncIterator[bytes]:
     """OpenAI's SSE body: an error after the first event is an error event; ``data: [DONE]`` ends it."""
-    return guarded(frames, rest, lambda message: sse_data({"error": {"message": message, "type": "api_error",
-                                                                      "param": None, "code": None}}),
-                   b"data: [DONE]\n\n")
+    return guarded(
+        frames,
+        rest,
+        lambda message: sse_data({"error": {"message": message, "type": "api_error", "param": None, "code": None}}),
+        b"data: [DONE]\n\n",
+    )
+
+
+# -- several choices ------------------------------------------------------------------------------------------
+Chunks = AsyncIterator[dict[str, Any]]
+Started = tuple[dict[str, Any] | None, Chunks]  # a choice's first chunk (None: no output) and the rest
+
+
+async def _start_choices(n: int, run: Callable[[int], Awaitable[Chunks]]) -> list[Started]:
+    """Start ``n`` generations of one prompt (``run(i)`` starts choice i) and pull each one's first chunk, so that
+    an error before any output is still a plain error answer. Choice 0 is set up first (it loads the model when
+    needed); then all of them run at once, as sequences that the runner decodes side by side. If one fails,
+    those started are closed and its error raised."""
+    chunks0 = await run(0)
+
+    async def one(i: int) -> Started:
+        chunks = chunks0 if i == 0 else await run(i)
+        try:
+            return await first_then(chunks)
+        except CorralError as exc:
+            if "logit_bias" in str(exc):  # the runner's check of the ids against the vocabulary
+                exc.param = "logit_bias"  # type: ignore[attr-defined]
+            raise
+
+    if n == 1:
+        return [await one(0)]
+    results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        for r in results:
+            if not isinstance(r, BaseException):
+                await r[1].aclose()  # type: ignore[attr-defined]
+        raise failed[0]
+    return results  # type: ignore[return-value]
+
+
+async def _merged(started: list[Started]) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
+    """Every choice's chunks as ``(index, chunk)``, in the order they come; closing it stops every choice."""
+    if len(started) == 1:
+        first, rest = started[0]
+        try:
+            chunk = first
+            while chunk is not None:
+                yield 0, chunk
+                chunk = await anext(rest, None)
+        finally:
+            await rest.aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue[tuple[int, dict[str, Any] | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, chunk: dict[str, Any] | None, rest: Chunks) -> None:
+        try:
+            while chunk is not None:
+                queue.put_nowait((i, chunk, None))
+                chunk = await anext(rest, None)
+        except Exception as exc:  # noqa: BLE001 - handed to the reader
+            queue.put_nowait((i, None, exc))
+            return
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, first, rest)) for i, (first, rest) in enumerate(started)]
+    try:
+        running = len(tasks)
+        while running:
+            i, chunk, error = await queue.get()
+            if error is not None:
+                raise error
+            if chunk is None:
+                running -= 1
+                continue
+            yield i, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for _, rest in started:
+            await rest.aclose()  # type: ignore[attr-defined]
+
+
+def _usage_of(finals: list[dict[str, Any]]) -> dict[str, Any]:
+    """Usage over every choice: the prompt counted once, the completion tokens of all choices summed."""
+    usage = _usage(finals[0])
+    completion = sum(int(f.get("eval_count") or 0) for f in finals)
+    usage["completion_tokens"] = completion
+    usage["total_tokens"] = usage["prompt_tokens"] + completion
+    return usage
 
 
 # -- /v1/chat/completions -------------------------------------------------------------------------------------
@@ -279,6 +476,7 @@ async def chat_completions(request: Request) -> Response:
     started = time.monotonic()
     body = await read_json(request)
     model = get(body, "model", "str", required=True)
+    note(model=model)
     messages = _messages(body)
     opts = _options(body)
     tools, forced = _tools(body)
@@ -286,70 +484,147 @@ async def chat_completions(request: Request) -> Response:
     want_logprobs, top = _logprob_request(body)
     stream = bool(get(body, "stream", "bool"))
     include_usage = bool((get(body, "stream_options", "dict") or {}).get("include_usage"))
-    req = parse_model(ChatRequestBody, {"model": model, "messages": messages, "options": opts, "format": fmt,
-                                        "tools": tools, "stream": stream, "logprobs": want_logprobs,
-                                        "top_logprobs": top, "keep_alive": body.get("keep_alive")})
-    final, chunks = await run_chat(inference(request), req, started)
-    if chunks is None:
-        raise InvalidRequest("'messages' must contain at least one message")
-    first, rest = await first_then(chunks)
+    n = _choice_count(body)
+    one_call = get(body, "parallel_tool_calls", "bool") is False  # at most one tool call per choice
+
+    def chat_request(i: int) -> ChatRequestBody:
+        return parse_model(
+            ChatRequestBody,
+            {
+                "model": model,
+                "messages": messages,
+                "options": _for_choice(opts, i),
+                "format": fmt,
+                "tools": tools,
+                "stream": stream,
+                "logprobs": want_logprobs,
+                "top_logprobs": top,
+                "keep_alive": body.get("keep_alive"),
+            },
+        )
+
+    req = chat_request(0)
+
+    async def run(i: int) -> Chunks:
+        final, chunks = await run_chat(inference(request), req if i == 0 else chat_request(i), started)
+        if chunks is None:
+            raise InvalidRequest("'messages' must contain at least one message")
+        return chunks
+
+    choices = _merged(await _start_choices(n, run))
     cid, created = _id("chatcmpl"), int(time.time())
     if not stream:
-        return JSONResponse(await _chat_whole(first, rest, cid, created, model, want_logprobs))
-    return sse_response(openai_stream(_chat_events(first, rest, cid, created, model, want_logprobs, include_usage),
-                                      rest))
+        return JSONResponse(await _chat_whole(choices, n, cid, created, model, want_logprobs, one_call))
+    return sse_response(
+        openai_stream(_chat_events(choices, n, cid, created, model, want_logprobs, include_usage, one_call), choices)
+    )
 
 
-async def _chat_whole(first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]], cid: str, created: int,
-                      model: str, want_logprobs: bool) -> dict[str, Any]:
-    text, calls, lps, last = "", [], [], first or {}
-    chunk = first
-    while chunk is not None:
-        msg = chunk.get("message") or {}
-        text += msg.get("content") or ""
-        calls += msg.get("tool_calls") or []
-        lps += chunk.get("logprobs") or []
-        last = chunk
-        chunk = await anext(rest, None)
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if calls:
-        message["tool_calls"] = _openai_calls(calls)
-    choice: dict[str, Any] = {"index": 0, "message": message,
-                              "finish_reason": _finish(last.get("done_reason"), bool(calls)),
-                              "logprobs": _openai_logprobs(lps) if want_logprobs else None}
-    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-            "system_fingerprint": FINGERPRINT, "choices": [choice], "usage": _usage(last)}
+async def _chat_whole(
+    choices: AsyncGenerator[tuple[int, dict[str, Any]], None],
+    n: int,
+    cid: str,
+    created: int,
+    model: str,
+    want_logprobs: bool,
+    one_call: bool,
+) -> dict[str, Any]:
+    texts = [""] * n
+    calls: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+    lps: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+    last: list[dict[str, Any]] = [{} for _ in range(n)]
+    try:
+        async for i, chunk in choices:
+            msg = chunk.get("message") or {}
+            texts[i] += msg.get("content") or ""
+            calls[i] += msg.get("tool_calls") or []
+            lps[i] += chunk.get("logprobs") or []
+            last[i] = chunk
+    finally:
+        await choices.aclose()
+    out = []
+    for i in range(n):
+        message: dict[str, Any] = {"role": "assistant", "content": texts[i]}
+        kept = calls[i][:1] if one_call else calls[i]
+        if kept:
+            message["tool_calls"] = _openai_calls(kept)
+        out.append(
+            {
+                "index": i,
+                "message": message,
+                "finish_reason": _finish(last[i].get("done_reason"), bool(kept)),
+                "logprobs": _openai_logprobs(lps[i]) if want_logprobs else None,
+            }
+        )
+    return {
+        "id": cid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": FINGERPRINT,
+        "choices": out,
+        "usage": _usage_of(last),
+    }
 
 
-async def _chat_events(first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]], cid: str, created: int,
-                       model: str, want_logprobs: bool, include_usage: bool) -> AsyncGenerator[bytes, None]:
-    def frame(delta: dict[str, Any], finish: str | None = None, lps: list[dict[str, Any]] | None = None
-              ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish,
-                                  "logprobs": _openai_logprobs(lps) if (want_logprobs and lps) else None}
-        return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "system_fingerprint": FINGERPRINT, "choices": [choice]}
+async def _chat_events(
+    choices: AsyncGenerator[tuple[int, dict[str, Any]], None],
+    n: int,
+    cid: str,
+    created: int,
+    model: str,
+    want_logprobs: bool,
+    include_usage: bool,
+    one_call: bool,
+) -> AsyncGenerator[bytes, None]:
+    def frame(
+        i: int, delta: dict[str, Any], finish: str | None = None, lps: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": i,
+            "delta": delta,
+            "finish_reason": finish,
+            "logprobs": _openai_logprobs(lps) if (want_logprobs and lps) else None,
+        }
+        return {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": FINGERPRINT,
+            "choices": [choice],
+        }
 
-    any_calls = False
-    chunk = first
-    sent_role = False
-    while chunk is not None:
+    any_calls = [False] * n
+    sent_role = [False] * n
+    finals: dict[int, dict[str, Any]] = {}
+    async for i, chunk in choices:
         msg = chunk.get("message") or {}
         if chunk.get("done"):
-            yield sse_data(frame({}, _finish(chunk.get("done_reason"), any_calls)))
-            if include_usage:
-                yield sse_data({"id": cid, "object": "chat.completion.chunk", "created": created,
-                                "model": model, "system_fingerprint": FINGERPRINT, "choices": [],
-                                "usage": _usage(chunk)})
-            break
-        delta: dict[str, Any] = {} if sent_role else {"role": "assistant"}
-        sent_role = True
+            finals[i] = chunk
+            yield sse_data(frame(i, {}, _finish(chunk.get("done_reason"), any_calls[i])))
+            continue
+        delta: dict[str, Any] = {} if sent_role[i] else {"role": "assistant"}
+        sent_role[i] = True
         delta["content"] = msg.get("content") or ""
         if msg.get("tool_calls"):
-            any_calls = True
-            delta["tool_calls"] = _openai_calls(msg["tool_calls"], with_index=True)
-        yield sse_data(frame(delta, None, chunk.get("logprobs")))
-        chunk = await anext(rest, None)
+            any_calls[i] = True
+            delta["tool_calls"] = _openai_calls(
+                msg["tool_calls"][:1] if one_call else msg["tool_calls"], with_index=True
+            )
+        yield sse_data(frame(i, delta, None, chunk.get("logprobs")))
+    if include_usage and finals:
+        yield sse_data(
+            {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "system_fingerprint": FINGERPRINT,
+                "choices": [],
+                "usage": _usage_of([finals[i] for i in sorted(finals)]),
+            }
+        )
 
 
 # -- /v1/completions ------------------------------------------------------------------------------------------
@@ -359,6 +634,7 @@ async def completions(request: Request) -> Response:
     started = time.monotonic()
     body = await read_json(request)
     model = get(body, "model", "str", required=True)
+    note(model=model)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -368,59 +644,105 @@ async def completions(request: Request) -> Response:
     stream = bool(get(body, "stream", "bool"))
     include_usage = bool((get(body, "stream_options", "dict") or {}).get("include_usage"))
     top = get(body, "logprobs", "int", lo=0, hi=20)
-    req = parse_model(GenerateRequestBody, {
-        "model": model, "prompt": prompt, "suffix": get(body, "suffix", "str") or "", "options": _options(body),
-        "stream": stream, "raw": bool(get(body, "raw", "bool")), "keep_alive": body.get("keep_alive"),
-        "logprobs": top is not None, "top_logprobs": top or 0})
-    final, chunks = await run_generate(inference(request), req, started)
-    if chunks is None:  # an empty prompt only loads the model
-        chunks = _single(final or {})
-    first, rest = await first_then(chunks)
-    out = _Completion(model, prompt if echo else "", top is not None)
+    n = _choice_count(body)
+    best_of = get(body, "best_of", "int", lo=1)
+    if best_of is not None and best_of > n:
+        raise BadParam(
+            "best_of",
+            "'best_of' above 'n' is not supported: corral returns every choice it generates; "
+            "ask for n choices (each with its logprobs if you want them) and pick yourself",
+        )
+    opts = _options(body)
+
+    def generate_request(i: int) -> GenerateRequestBody:
+        return parse_model(
+            GenerateRequestBody,
+            {
+                "model": model,
+                "prompt": prompt,
+                "suffix": get(body, "suffix", "str") or "",
+                "options": _for_choice(opts, i),
+                "stream": stream,
+                "raw": bool(get(body, "raw", "bool")),
+                "keep_alive": body.get("keep_alive"),
+                "logprobs": top is not None,
+                "top_logprobs": top or 0,
+            },
+        )
+
+    req = generate_request(0)
+
+    async def run(i: int) -> Chunks:
+        final, chunks = await run_generate(inference(request), req if i == 0 else generate_request(i), started)
+        if chunks is None:  # an empty prompt only loads the model
+            chunks = _single(final or {})
+        return chunks
+
+    choices = _merged(await _start_choices(n, run))
+    out = _Completion(model, prompt if echo else "", top is not None, n)
     if not stream:
-        return JSONResponse(await out.whole(first, rest))
-    return sse_response(openai_stream(out.events(first, rest, include_usage), rest))
+        return JSONResponse(await out.whole(choices))
+    return sse_response(openai_stream(out.events(choices, include_usage), choices))
 
 
 class _Completion:
-    """One ``text_completion`` reply, whole or as SSE chunks; ``echoed`` is the prompt when echo is on."""
+    """One ``text_completion`` reply of ``n`` choices, whole or as SSE chunks; ``echoed`` is the prompt when echo
+    is on."""
 
-    def __init__(self, model: str, echoed: str, logprobs: bool) -> None:
+    def __init__(self, model: str, echoed: str, logprobs: bool, n: int = 1) -> None:
         self.id, self.created, self.model = _id("cmpl"), int(time.time()), model
-        self.echoed, self.logprobs = echoed, logprobs
-        self.offset = len(echoed)  # where the next token starts in the whole text (logprobs' text_offset)
+        self.echoed, self.logprobs, self.n = echoed, logprobs, n
+        # where each choice's next token starts in its whole text (logprobs' text_offset)
+        self.offsets = [len(echoed)] * n
 
-    def obj(self, text: str, finish: str | None, lps: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def obj(self, i: int, text: str, finish: str | None, lps: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         logprobs = None
         if self.logprobs:
-            logprobs = _completion_logprobs(lps or [], self.offset)
-            self.offset += sum(len(t) for t in logprobs["tokens"])
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "system_fingerprint": FINGERPRINT,
-                "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}]}
+            logprobs = _completion_logprobs(lps or [], self.offsets[i])
+            self.offsets[i] += sum(len(t) for t in logprobs["tokens"])
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": FINGERPRINT,
+            "choices": [{"text": text, "index": i, "logprobs": logprobs, "finish_reason": finish}],
+        }
 
-    async def whole(self, first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
-        text, lps, last, chunk = self.echoed, [], first or {}, first
-        while chunk is not None:
-            text += chunk.get("response") or ""
-            lps += chunk.get("logprobs") or []
-            last = chunk
-            chunk = await anext(rest, None)
-        return {**self.obj(text, _finish(last.get("done_reason"), False), lps), "usage": _usage(last)}
+    async def whole(self, choices: AsyncGenerator[tuple[int, dict[str, Any]], None]) -> dict[str, Any]:
+        texts = [self.echoed] * self.n
+        lps: list[list[dict[str, Any]]] = [[] for _ in range(self.n)]
+        last: list[dict[str, Any]] = [{} for _ in range(self.n)]
+        try:
+            async for i, chunk in choices:
+                texts[i] += chunk.get("response") or ""
+                lps[i] += chunk.get("logprobs") or []
+                last[i] = chunk
+        finally:
+            await choices.aclose()
+        out = [
+            self.obj(i, texts[i], _finish(last[i].get("done_reason"), False), lps[i])["choices"][0]
+            for i in range(self.n)
+        ]
+        return {**self.obj(0, "", None), "choices": out, "usage": _usage_of(last)}
 
-    async def events(self, first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]],
-                     include_usage: bool) -> AsyncGenerator[bytes, None]:
+    async def events(
+        self, choices: AsyncGenerator[tuple[int, dict[str, Any]], None], include_usage: bool
+    ) -> AsyncGenerator[bytes, None]:
         if self.echoed:
-            yield sse_data(self.obj(self.echoed, None))
-        chunk = first
-        while chunk is not None:
+            for i in range(self.n):
+                yield sse_data(self.obj(i, self.echoed, None))
+        finals: dict[int, dict[str, Any]] = {}
+        async for i, chunk in choices:
             if chunk.get("done"):
-                yield sse_data(self.obj("", _finish(chunk.get("done_reason"), False)))
-                if include_usage:
-                    yield sse_data({**self.obj("", None), "choices": [], "usage": _usage(chunk)})
-                break
-            yield sse_data(self.obj(chunk.get("response") or "", None, chunk.get("logprobs")))
-            chunk = await anext(rest, None)
+                finals[i] = chunk
+                yield sse_data(self.obj(i, "", _finish(chunk.get("done_reason"), False)))
+                continue
+            yield sse_data(self.obj(i, chunk.get("response") or "", None, chunk.get("logprobs")))
+        if include_usage and finals:
+            yield sse_data(
+                {**self.obj(0, "", None), "choices": [], "usage": _usage_of([finals[i] for i in sorted(finals)])}
+            )
 
 
 async def _single(final: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -434,21 +756,30 @@ async def embeddings(request: Request) -> Response:
     started = time.monotonic()
     body = await read_json(request)
     model = get(body, "model", "str", required=True)
+    note(model=model)
     raw = body.get("input")
     if isinstance(raw, str):
         inputs = [raw]
     elif isinstance(raw, list) and raw and all(isinstance(x, str) for x in raw):
         inputs = list(raw)
     else:
-        raise BadParam("input", "'input' must be a non-empty string or array of strings (token arrays are not "
-                                "accepted; send text)")
+        raise BadParam(
+            "input", "'input' must be a non-empty string or array of strings (token arrays are not accepted; send text)"
+        )
     encoding = (get(body, "encoding_format", "str") or "float").lower()
     if encoding not in ("float", "base64"):
         raise BadParam("encoding_format", "'encoding_format' must be float or base64")
     dims = get(body, "dimensions", "int", lo=1)
-    req = parse_model(EmbedRequestBody, {"model": model, "input": inputs, "dimensions": dims,
-                                         "options": get(body, "options", "dict"),
-                                         "keep_alive": body.get("keep_alive")})
+    req = parse_model(
+        EmbedRequestBody,
+        {
+            "model": model,
+            "input": inputs,
+            "dimensions": dims,
+            "options": get(body, "options", "dict"),
+            "keep_alive": body.get("keep_alive"),
+        },
+    )
     result = await run_embed(inference(request), req, started)
     data = []
     for i, vec in enumerate(result.get("embeddings") or []):
@@ -457,8 +788,9 @@ async def embeddings(request: Request) -> Response:
             value = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
         data.append({"object": "embedding", "embedding": value, "index": i})
     tokens = int(result.get("prompt_eval_count") or 0)
-    return JSONResponse({"object": "list", "data": data, "model": model,
-                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+    return JSONResponse(
+        {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    )
 
 
 # -- /v1/models -----------------------------------------------------------------------------------------------
@@ -477,4 +809,5 @@ async def list_models(request: Request) -> Response:
 @router.get("/v1/models/{model:path}")
 @shaped(openai_error)
 async def get_model(model: str, request: Request) -> Response:
+    note(model=model)
     return JSONResponse(_model_entry(request.app.state.catalog.get(model)))  # or ModelNotFound

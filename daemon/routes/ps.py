@@ -27,7 +27,7 @@ async def _slots(runner: Any) -> list[dict[str, Any]] | None:
         return None
     try:
         return list(await asyncio.wait_for(ask(), 2.0))
-    except (asyncio.TimeoutError, CorralError):
+    except (TimeoutError, CorralError):
         return None
 
 
@@ -37,21 +37,24 @@ async def ps(request: Request) -> dict[str, Any]:
     for item in request.app.state.scheduler.loaded():
         e = item["entry"]
         slots = None if e.loading else await _slots(e.runner)
-        models.append({
-            "name": e.ref.name,
-            "model": e.ref.name,
-            "size": e.memory.total,
-            "digest": e.ref.digest,
-            "details": e.ref.details,
-            "expires_at": _rfc3339_wall(item["expires_at_wall"]),
-            "size_vram": e.memory.vram,
-            "context_length": e.spec.num_ctx,
-            "kv_cache_type": e.spec.kv_cache_type, "flash_attention": e.spec.flash_attn,  # corral: as loaded
-            "num_parallel": e.spec.num_parallel,  # corral: sequence slots batched together in this runner
-            "names": sorted(e.names, key=lambda n: -e.names[n]),  # corral: every name this runner serves
-            **({"fallback": e.fallback} if e.fallback else {}),  # corral: the safer configuration in force, and why
-            **({"slots": slots} if slots is not None else {}),  # corral: busy, and cached tokens for reuse
-        })
+        models.append(
+            {
+                "name": e.ref.name,
+                "model": e.ref.name,
+                "size": e.memory.total,
+                "digest": e.ref.digest,
+                "details": e.ref.details,
+                "expires_at": _rfc3339_wall(item["expires_at_wall"]),
+                "size_vram": e.memory.vram,
+                "context_length": e.spec.num_ctx,
+                "kv_cache_type": e.spec.kv_cache_type,
+                "flash_attention": e.spec.flash_attn,  # corral: as loaded
+                "num_parallel": e.spec.num_parallel,  # corral: sequence slots batched together in this runner
+                "names": sorted(e.names, key=lambda n: -e.names[n]),  # corral: every name this runner serves
+                **({"fallback": e.fallback} if e.fallback else {}),  # corral: the safer configuration in force, and why
+                **({"slots": slots} if slots is not None else {}),  # corral: busy, and cached tokens for reuse
+            }
+        )
     return {"models": models}
 
 
@@ -68,11 +71,23 @@ def info(request: Request) -> dict[str, Any]:
         return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
 
     # getattr: fields Settings may or may not have in this version
-    names = ("ram_budget", "vram_budget", "num_parallel", "max_loaded_models", "keep_alive", "context_length",
-             "flash_attention", "kv_cache_type")
+    names = (
+        "ram_budget",
+        "vram_budget",
+        "num_parallel",
+        "max_loaded_models",
+        "keep_alive",
+        "context_length",
+        "flash_attention",
+        "kv_cache_type",
+    )
     in_force = {n: plain(getattr(state.settings, n)) for n in names if hasattr(state.settings, n)}
     if getattr(state.inference, "default_num_ctx", None) is not None:
         in_force["default_num_ctx"] = state.inference.default_num_ctx  # what context_length 0 (automatic) chose
-    return {"hardware": state.hardware.to_json(), "budgets": state.budgets_json, "settings": in_force,
-            # corral: the safer runner configurations chosen after native crashes on this machine (daemon/fallback.py)
-            "runner_fallbacks": fallbacks.remembered() if fallbacks is not None else []}
+    return {
+        "hardware": state.hardware.to_json(),
+        "budgets": state.budgets_json,
+        "settings": in_force,
+        # corral: the safer runner configurations chosen after native crashes on this machine (daemon/fallback.py)
+        "runner_fallbacks": fallbacks.remembered() if fallbacks is not None else [],
+    }

@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from daemon.bodies import read_model
 from daemon.catalog import Catalog
+from daemon.observe import note
 from daemon.schemas import NamedRequest, Wire
 from daemon.settings import Settings
 from daemon.streaming import progress_response
@@ -57,8 +58,8 @@ def downloads(request: Request) -> Downloads:
     state = request.app.state
     with _downloads_lock:
         if not hasattr(state, "downloads"):
-            state.downloads = Downloads()
-    return state.downloads  # type: ignore[no-any-return]
+            state.downloads = Downloads(bandwidth=state.settings.pull_bandwidth)
+    return state.downloads
 
 
 def _auth_files(settings: Settings) -> list[Path]:
@@ -68,14 +69,20 @@ def _auth_files(settings: Settings) -> list[Path]:
 @router.post("/api/pull")
 async def pull(request: Request) -> Response:
     req = await read_model(request, PullRequest)
+    note(model=req.model_name)
     if not req.model_name:
         raise InvalidRequest("model is required")
     app = request.app.state
     catalog: Catalog = app.catalog
     metrics = getattr(app, "metrics", None)
-    puller = Puller(catalog.store, downloads(request), catalog.lock, prune=not app.settings.noprune,
-                    auth_files=_auth_files(app.settings),
-                    on_bytes=metrics.pulled_bytes.inc if metrics is not None else None)
+    puller = Puller(
+        catalog.store,
+        downloads(request),
+        catalog.lock,
+        prune=not app.settings.noprune,
+        auth_files=_auth_files(app.settings),
+        on_bytes=metrics.pulled_bytes.inc if metrics is not None else None,
+    )
     it = await run_in_threadpool(lambda: puller.run(req.model_name, insecure=req.insecure))
     return await progress_response(it, stream=req.stream)
 
@@ -83,6 +90,7 @@ async def pull(request: Request) -> Response:
 @router.post("/api/push")
 async def push(request: Request) -> Response:
     req = await read_model(request, PushRequest)
+    note(model=req.model_name)
     if not req.model_name:
         raise InvalidRequest("model is required")
     app = request.app.state
@@ -121,8 +129,9 @@ async def prune(request: Request) -> dict[str, Any]:
 
     def run() -> dict[str, Any]:
         with catalog.lock:
-            plan = catalog.store.plan_prune(grace_seconds=EXPLICIT_PRUNE_GRACE,
-                                            partial_grace_seconds=PARTIAL_PRUNE_GRACE, keep=table.busy())
+            plan = catalog.store.plan_prune(
+                grace_seconds=EXPLICIT_PRUNE_GRACE, partial_grace_seconds=PARTIAL_PRUNE_GRACE, keep=table.busy()
+            )
             out = _describe(plan, req.dry_run)
             if not req.dry_run and not plan.skipped_reason:
                 out["bytes_freed"] = catalog.store.prune(plan)

@@ -10,7 +10,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from modelfile.params import DEFAULT_OPTIONS
 from registry.errors import CorralError
+
+
+def option_default(name: str) -> Any:
+    """``modelfile.params.DEFAULT_OPTIONS[name]``, the one table of option defaults (typed loosely: callers read it
+    through ``int()`` or ``float()``)."""
+    return DEFAULT_OPTIONS[name]
 
 
 class RunnerError(CorralError):
@@ -53,35 +60,39 @@ class LoadSpec:
     embedding: bool = False
     prompt_cache: int = 0  # bytes of host RAM for sequences saved from reused slots (counted as the model's RAM)
     flash_attn: str = "auto"  # "auto" (llama.cpp decides), "on" or "off" (CORRAL_FLASH_ATTENTION)
-    kv_cache_type: str = "f16"  # f16, q8_0 or q4_0 for both K and V (CORRAL_KV_CACHE_TYPE; quantized needs flash attention)
+    kv_cache_type: str = (
+        "f16"  # f16, q8_0 or q4_0 for both K and V (CORRAL_KV_CACHE_TYPE; quantized needs flash attention)
+    )
     main_gpu: int = 0  # the GPU that holds the whole model when it is not split, and the small tensors when it is
     tensor_split: tuple[float, ...] = ()  # share of the offloaded layers per GPU (empty: llama.cpp's own split)
     extra_bufts: bool = True  # llama.cpp's extra CPU buffer types (weight repacking, AMX); off is the safe fallback
+    rerank: bool = False  # with embedding: pooling type rank (a reranker's score per query/document pair)
 
 
 @dataclass(frozen=True)
 class SampleParams:
     """Per-request generation settings (Ollama option names and meanings)."""
 
-    num_predict: int = -1
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.9
-    min_p: float = 0.0
-    typical_p: float = 1.0
-    repeat_penalty: float = 1.1
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int = -1
+    # the defaults are modelfile.params.DEFAULT_OPTIONS (the one table), as the options merge starts from it
+    num_predict: int = int(option_default("num_predict"))
+    temperature: float = float(option_default("temperature"))
+    top_k: int = int(option_default("top_k"))
+    top_p: float = float(option_default("top_p"))
+    min_p: float = float(option_default("min_p"))
+    typical_p: float = float(option_default("typical_p"))
+    repeat_penalty: float = float(option_default("repeat_penalty"))
+    repeat_last_n: int = int(option_default("repeat_last_n"))
+    presence_penalty: float = float(option_default("presence_penalty"))
+    frequency_penalty: float = float(option_default("frequency_penalty"))
+    seed: int = int(option_default("seed"))
     stop: tuple[str, ...] = ()
-    num_keep: int = 4
-    mirostat: int = 0
-    mirostat_tau: float = 5.0
-    mirostat_eta: float = 0.1
+    num_keep: int = int(option_default("num_keep"))
     grammar: str | None = None  # GBNF, for format="json"
     json_schema: str | None = None  # JSON schema text (format=<schema>); the runner turns it into a grammar
     logprobs: int | None = None  # None: off; n: each token's log-probability and its n most likely alternatives
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits before every sampling step
+    # (-100 bans the token, +100 all but forces it); checked by sampling.parse_logit_bias, ids < n_vocab by the runner
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

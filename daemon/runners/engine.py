@@ -11,9 +11,9 @@ once. When a slot is about to be overwritten, the sequence it holds is saved to 
 within ``cache_bytes``, least recently saved dropped first); a later request whose prompt continues a saved
 sequence further than any slot does gets it restored instead of evaluating it again (a conversation that lost
 its slot to other users comes back without re-reading its history). Sampling is vectorised over all rows
-(``sampling.py``); grammars (JSON, JSON schema) are applied per sequence with llama.cpp's grammar sampler. A
-sequence that fills its ``num_ctx`` shifts its context like Ollama (keep ``num_keep``, drop half of the rest)
-unless ``shift`` is false.
+(``sampling.py``; a request's logit_bias is added to its own row only); grammars (JSON, JSON schema) are
+applied per sequence with llama.cpp's grammar sampler. A sequence that fills its ``num_ctx`` shifts its context
+like Ollama (keep ``num_keep``, drop half of the rest) unless ``shift`` is false.
 
 The engine runs on its own thread inside the runner child; ``submit`` and ``cancel`` are thread-safe. It is
 given the ``llama_cpp`` module and the model and context pointers, so this module imports nothing from
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from daemon.runners.sampling import SeqSampler, logprobs, sample_rows
+from daemon.runners.sampling import SeqSampler, bias_arrays, logprobs, parse_logit_bias, sample_rows
 
 PROMPT_TOO_LONG = (
     "the prompt is longer than the context length currently available to the model; shorten the prompt, adjust "
@@ -115,9 +115,20 @@ class Seq:
 
 
 class Engine:
-    def __init__(self, lc: Any, ctx: Any, vocab: Any, *, n_parallel: int, n_ctx_slot: int, n_batch: int,
-                 emit: Emit, chunk: int | None = None, cache_bytes: int = 0,
-                 before_first_decode: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        lc: Any,
+        ctx: Any,
+        vocab: Any,
+        *,
+        n_parallel: int,
+        n_ctx_slot: int,
+        n_batch: int,
+        emit: Emit,
+        chunk: int | None = None,
+        cache_bytes: int = 0,
+        before_first_decode: Callable[[], None] | None = None,
+    ) -> None:
         self.lc, self.ctx, self.vocab = lc, ctx, vocab
         self._before_first_decode = before_first_decode
         self.cache_bytes = max(0, cache_bytes)
@@ -142,23 +153,43 @@ class Engine:
         self._thread.start()
 
     # -- API (any thread) --------------------------------------------------------------------------------------
-    def submit(self, rid: int, prompt: list[int], params: dict[str, Any], *, shift: bool = True,
-               truncate: bool = True) -> None:
+    def submit(
+        self, rid: int, prompt: list[int], params: dict[str, Any], *, shift: bool = True, truncate: bool = True
+    ) -> None:
         """Queue a generation; its tokens and its final ``done`` go to ``emit``. Bad input raises EngineError."""
         if not prompt:
             raise EngineError("empty prompt")
+        bad = check_token_ids(prompt, self.n_vocab)
+        if bad is not None:
+            # refused here, before it joins a batch: an id llama.cpp does not know fails the whole llama_decode,
+            # and with it every other sequence in the batch
+            raise EngineError(
+                f"token id {prompt[bad]} at position {bad} is out of range: this model's vocabulary "
+                f"has ids 0 to {self.n_vocab - 1}"
+            )
         num_keep = min(max(0, int(params.get("num_keep", 4))), self.n_ctx_slot // 2)
         if len(prompt) >= self.n_ctx_slot:
             if not (shift and truncate):
                 raise EngineError(PROMPT_TOO_LONG)
             tail = self.n_ctx_slot // 2 - num_keep
-            prompt = prompt[:num_keep] + prompt[len(prompt) - tail:]
+            prompt = prompt[:num_keep] + prompt[len(prompt) - tail :]
         num_predict = int(params.get("num_predict", -1))
-        seq = Seq(rid=rid, prompt=prompt, sampler=SeqSampler.from_params(params, self.n_ctx_slot),
-                  limit=10 * self.n_ctx_slot if num_predict < 0 else num_predict,
-                  stops=[s for s in (params.get("stop") or []) if s], num_keep=num_keep, shift=shift,
-                  top_logprobs=None if params.get("logprobs") is None else int(params["logprobs"]),
-                  started=time.perf_counter_ns())
+        try:  # ids beyond this model's vocabulary are refused here, for this request only
+            bias = bias_arrays(parse_logit_bias(params.get("logit_bias")), self.n_vocab)
+        except ValueError as exc:
+            raise EngineError(f"invalid logit_bias: {exc}") from None
+        seq = Seq(
+            rid=rid,
+            prompt=prompt,
+            sampler=SeqSampler.from_params(params, self.n_ctx_slot),
+            limit=10 * self.n_ctx_slot if num_predict < 0 else num_predict,
+            stops=[s for s in (params.get("stop") or []) if s],
+            num_keep=num_keep,
+            shift=shift,
+            top_logprobs=None if params.get("logprobs") is None else int(params["logprobs"]),
+            started=time.perf_counter_ns(),
+        )
+        seq.sampler.bias = bias
         seq.grammar = self._grammar(params)
         with self._cv:
             self.by_rid[rid] = seq
@@ -202,7 +233,8 @@ class Engine:
         one = np.zeros(1, dtype=TOKEN_DATA)
         one["id"], one["logit"] = token, 0.0
         arr = self.lc.llama_token_data_array(
-            data=one.ctypes.data_as(ctypes.POINTER(self.lc.llama_token_data)), size=1, selected=-1, sorted=False)
+            data=one.ctypes.data_as(ctypes.POINTER(self.lc.llama_token_data)), size=1, selected=-1, sorted=False
+        )
         self.lc.llama_sampler_apply(grammar, ctypes.byref(arr))
         return bool(np.isfinite(one["logit"][0]))
 
@@ -212,8 +244,11 @@ class Engine:
         data["logit"] = row
         data["p"] = 0.0
         arr = self.lc.llama_token_data_array(
-            data=data.ctypes.data_as(ctypes.POINTER(self.lc.llama_token_data)), size=row.shape[0], selected=-1,
-            sorted=False)
+            data=data.ctypes.data_as(ctypes.POINTER(self.lc.llama_token_data)),
+            size=row.shape[0],
+            selected=-1,
+            sorted=False,
+        )
         self.lc.llama_sampler_apply(grammar, ctypes.byref(arr))
         row[:] = data["logit"]
 
@@ -396,10 +431,10 @@ class Engine:
             if budget <= 0:
                 break
             assert seq.slot is not None
-            take = seq.pending[:budget]
-            del seq.pending[:len(take)]
-            plan[seq.slot.seq_id] = take
-            budget -= len(take)
+            chunk = seq.pending[:budget]
+            del seq.pending[: len(chunk)]
+            plan[seq.slot.seq_id] = chunk
+            budget -= len(chunk)
         # laid out in sequence-id order: llama.cpp splits a batch over several KV streams into micro-batches of
         # consecutive sequence ids with as many tokens each, so out of order it would run extra passes
         for slot in self.slots:
@@ -437,7 +472,7 @@ class Engine:
                 row = unconstrained[i]
                 self._constrain(row, outputs[i].grammar)
                 tokens[i] = sample_rows(row[None, :], [outputs[i].sampler], [windows[i]])[0]
-        for i, (seq, tok) in enumerate(zip(outputs, tokens)):
+        for i, (seq, tok) in enumerate(zip(outputs, tokens, strict=True)):
             if seq.first_at == 0:
                 seq.first_at = now
             self._accept(seq, tok, lp_rows.get(i))
@@ -447,7 +482,9 @@ class Engine:
         kind = self._row_types.get(rows)
         if kind is None:
             kind = self._row_types[rows] = ctypes.c_float * (rows * self.n_vocab)
-        return np.frombuffer(kind.from_address(addr), dtype=np.float32).reshape(rows, self.n_vocab)
+        assert addr is not None, "llama.cpp returned no logits"
+        view: Any = kind.from_address(addr)  # a ctypes array over llama.cpp's buffer (the buffer protocol)
+        return np.frombuffer(view, dtype=np.float32).reshape(rows, self.n_vocab)
 
     def _shift(self, seq: Seq) -> bool:
         """Make room for one more token: drop half of what follows ``num_keep`` (Ollama's context shift)."""
@@ -462,7 +499,7 @@ class Engine:
         keep = seq.num_keep
         self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, keep, keep + discard)
         self.lc.llama_memory_seq_add(self.mem, slot.seq_id, keep + discard, -1, -discard)
-        slot.tokens = slot.tokens[:keep] + slot.tokens[keep + discard:]
+        slot.tokens = slot.tokens[:keep] + slot.tokens[keep + discard :]
         return True
 
     def _accept(self, seq: Seq, token: int, raw: np.ndarray | None) -> None:
@@ -483,14 +520,20 @@ class Engine:
                 msg["logprobs"] = self._logprobs(raw, token, seq.top_logprobs or 0)
             self.emit(msg)
         elif raw is not None:  # held back (may start a stop string): the logprob still belongs to the stream
-            self.emit({"id": seq.rid, "type": "token", "text": "",
-                       "logprobs": self._logprobs(raw, token, seq.top_logprobs or 0)})
+            self.emit(
+                {
+                    "id": seq.rid,
+                    "type": "token",
+                    "text": "",
+                    "logprobs": self._logprobs(raw, token, seq.top_logprobs or 0),
+                }
+            )
         if hit:
             seq.stop_hit = next((s for s in sorted(seq.stops, key=seq.text.find) if s in seq.text), None)
             seq.text = ""
             self._finish(seq, "stop")
             return
-        seq.text = seq.text[len(emit):]
+        seq.text = seq.text[len(emit) :]
         if len(seq.generated) >= seq.limit:
             self._finish(seq, "length")
             return
@@ -524,14 +567,21 @@ class Engine:
         seq.text = ""
         ended = time.perf_counter_ns()
         first = seq.first_at or ended
-        self.emit({
-            "id": seq.rid, "type": "done", "done_reason": reason,
-            # as Ollama (llama.cpp's cache_n + prompt_n): every prompt token, those reused from the cache included
-            "prompt_eval_count": len(seq.prompt), "prompt_cached": seq.prompt_cached,
-            "prompt_eval_duration": max(1, first - seq.started), "eval_count": len(seq.generated),
-            "eval_duration": max(1, ended - first), "context": list(seq.prompt) + list(seq.generated),
-            "stop_sequence": seq.stop_hit,
-        })
+        self.emit(
+            {
+                "id": seq.rid,
+                "type": "done",
+                "done_reason": reason,
+                # as Ollama (llama.cpp's cache_n + prompt_n): every prompt token, those reused from the cache included
+                "prompt_eval_count": len(seq.prompt),
+                "prompt_cached": seq.prompt_cached,
+                "prompt_eval_duration": max(1, first - seq.started),
+                "eval_count": len(seq.generated),
+                "eval_duration": max(1, ended - first),
+                "context": list(seq.prompt) + list(seq.generated),
+                "stop_sequence": seq.stop_hit,
+            }
+        )
         self._release(seq)
 
     def _fail_started(self, message: str, status: int) -> None:
@@ -564,6 +614,21 @@ class Engine:
             slot.seq = None
             slot.last_used = time.monotonic()
         seq.slot = None
+
+
+def check_token_ids(tokens: list[int], n_vocab: int) -> int | None:
+    """The position of the first id that is not an int in ``0 <= id < n_vocab``, or None when all are."""
+    if not tokens:
+        return None
+    try:
+        if min(tokens) >= 0 and max(tokens) < n_vocab and all(type(t) is int for t in tokens):
+            return None
+    except TypeError:
+        pass
+    for i, t in enumerate(tokens):
+        if type(t) is not int or not 0 <= t < n_vocab:
+            return i
+    return None
 
 
 def _bytes_ptr(data: np.ndarray) -> Any:

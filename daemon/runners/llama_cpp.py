@@ -129,10 +129,18 @@ class Runner:
         flash = FLASH_ATTN.get(str(spec.get("flash_attn") or "auto"), -1)
         if spec.get("embedding"):
             kwargs: dict[str, Any] = dict(
-                model_path=spec["model_path"], n_ctx=n_ctx, n_batch=n_batch,
-                n_gpu_layers=int(spec.get("num_gpu", 0)), n_threads=threads, n_threads_batch=threads,
-                embedding=True, verbose=False, seed=0, main_gpu=int(spec.get("main_gpu") or 0),
-                type_k=kv_type, type_v=kv_type,
+                model_path=spec["model_path"],
+                n_ctx=n_ctx,
+                n_batch=n_batch,
+                n_gpu_layers=int(spec.get("num_gpu", 0)),
+                n_threads=threads,
+                n_threads_batch=threads,
+                embedding=True,
+                verbose=False,
+                seed=0,
+                main_gpu=int(spec.get("main_gpu") or 0),
+                type_k=kv_type,
+                type_v=kv_type,
             )
             if flash >= 0:
                 kwargs["flash_attn"] = bool(flash)
@@ -142,12 +150,18 @@ class Runner:
                 kwargs["use_mmap"] = bool(spec["use_mmap"])
             if adapters:
                 kwargs["lora_path"] = adapters[0]
+            if spec.get("rerank"):  # a reranker: pooling rank, and a whole batch in one ubatch (no KV cache)
+                kwargs["pooling_type"] = lc.LLAMA_POOLING_TYPE_RANK
+                kwargs["n_ubatch"] = n_batch
             with _model_params_patch(lc, bool(spec.get("extra_bufts", True))):
                 self.llm = lc.Llama(**kwargs)
             self.model = self.llm._model
             self.chan.send({"type": "stage", "stage": "warm-up"})
             _inject_fault("warmup", spec)
-            self.llm.embed("warm up", normalize=False, truncate=True)  # the same kernels as a request, see _warm_up
+            if self._is_reranker():  # the same kernels as a request, see _warm_up
+                self._rank([self._rerank_tokens("warm up", "warm up")])
+            else:
+                self.llm.embed("warm up", normalize=False, truncate=True)
             return
         from llama_cpp import _internals
 
@@ -178,13 +192,21 @@ class Runner:
             adapter = lc.llama_adapter_lora_init(self.model.model, path.encode("utf-8"))
             if not adapter:
                 raise RequestError(f"llama.cpp could not load the adapter {path}", 500)
-            lc.llama_set_adapters_lora(self.context.ctx, (lc.llama_adapter_lora_p_ctypes * 1)(adapter), 1,
-                                       (ctypes.c_float * 1)(1.0))
+            lc.llama_set_adapters_lora(
+                self.context.ctx, (lc.llama_adapter_lora_p_ctypes * 1)(adapter), 1, (ctypes.c_float * 1)(1.0)
+            )
         self._warm_up(self.context.ctx, self.model)
-        self.engine = Engine(lc, self.context.ctx, self.model.vocab, n_parallel=n_parallel,
-                             n_ctx_slot=int(spec["num_ctx"]), n_batch=n_batch, emit=self.chan.send_many,
-                             cache_bytes=int(spec.get("prompt_cache") or 0),
-                             before_first_decode=lambda: _inject_fault("first-decode", spec))
+        self.engine = Engine(
+            lc,
+            self.context.ctx,
+            self.model.vocab,
+            n_parallel=n_parallel,
+            n_ctx_slot=int(spec["num_ctx"]),
+            n_batch=n_batch,
+            emit=self.chan.send_many,
+            cache_bytes=int(spec.get("prompt_cache") or 0),
+            before_first_decode=lambda: _inject_fault("first-decode", spec),
+        )
 
     def _model_params(self, mparams: Any, spec: dict[str, Any]) -> None:
         lc = self.lc
@@ -234,13 +256,17 @@ class Runner:
         m = self.model
         n_ctx = self.llm.n_ctx() if self.llm is not None else self.context.n_ctx()
         return {
-            "n_ctx": n_ctx, "n_ctx_train": m.n_ctx_train(), "n_vocab": m.n_vocab(),
-            "n_embd": m.n_embd(), "n_gpu_layers": int(self.spec.get("num_gpu", 0)),
+            "n_ctx": n_ctx,
+            "n_ctx_train": m.n_ctx_train(),
+            "n_vocab": m.n_vocab(),
+            "n_embd": m.n_embd(),
+            "n_gpu_layers": int(self.spec.get("num_gpu", 0)),
             "extra_bufts": bool(self.spec.get("extra_bufts", True)),
             "flash_attn": str(self.spec.get("flash_attn") or "auto"),
             "kv_cache_type": str(self.spec.get("kv_cache_type") or "f16"),
             "num_parallel": max(1, int(self.spec.get("num_parallel") or 1)),
-            "gpu_offload_supported": bool(self.lc.llama_supports_gpu_offload()), "log_lines": self.log_lines,
+            "gpu_offload_supported": bool(self.lc.llama_supports_gpu_offload()),
+            "log_lines": self.log_lines,
             "pid": os.getpid(),
         }
 
@@ -259,18 +285,36 @@ class Runner:
 
         if self.llm is not None:
             raise RequestError("this runner was loaded for embeddings only", 500)
-        tokens = list(req.get("context") or []) + self.tokenize(req["prompt"], bool(req.get("add_special", True)))
+        context = list(req.get("context") or [])
+        if context:
+            from daemon.runners.engine import check_token_ids
+
+            n_vocab = int(self.model.n_vocab())
+            bad = check_token_ids(context, n_vocab)
+            if bad is not None:
+                raise RequestError(
+                    f"invalid context: token id {context[bad]!r} (context[{bad}]) is out of range: "
+                    f"this model's vocabulary has ids 0 to {n_vocab - 1}"
+                )
+        tokens = context + self.tokenize(req["prompt"], bool(req.get("add_special", True)))
         if not tokens:
             tokens = [self.model.token_bos()]
         try:
-            self.engine.submit(rid, tokens, req.get("params") or {}, shift=bool(req.get("shift", True)),
-                               truncate=bool(req.get("truncate", True)))
+            self.engine.submit(
+                rid,
+                tokens,
+                req.get("params") or {},
+                shift=bool(req.get("shift", True)),
+                truncate=bool(req.get("truncate", True)),
+            )
         except EngineError as exc:
             raise RequestError(str(exc), exc.status) from None
 
     # -- embeddings ------------------------------------------------------------------------------------------------
     def embed(self, inputs: list[str], truncate: bool) -> dict[str, Any]:
         llm = self.llm
+        if self._is_reranker():  # its pooled output is one score, not a vector
+            raise RequestError("this model is a reranker and does not support embeddings; use /api/rerank")
         if not self._embedded:
             self._embedded = True
             _inject_fault("first-decode", self.spec)
@@ -290,6 +334,118 @@ class Runner:
             vectors.append([float(x) for x in out])
         return {"vectors": vectors, "prompt_eval_count": sum(counts)}
 
+    # -- rerank (issue 18) -----------------------------------------------------------------------------------------
+    def _is_reranker(self) -> bool:
+        return self.llm is not None and int(self.llm.pooling_type()) == int(self.lc.LLAMA_POOLING_TYPE_RANK)
+
+    def _rerank_tokens(self, query: str, document: str, limit: int | None = None) -> list[int]:
+        """A query/document pair as llama-server's ``format_prompt_rerank`` builds it: the model's ``rerank``
+        template with {query} and {document} filled in, else BOS query EOS SEP document EOS (each special token
+        only where the vocabulary adds it; SEP stands for a missing EOS). ``limit``: the document (or, with a
+        template, the end of the whole text) is cut so the pair has at most that many tokens."""
+        lc, model = self.lc, self.model
+        template = lc.llama_model_chat_template(model.model, b"rerank")
+        if template:
+            text = template.decode("utf-8", errors="replace").replace("{query}", query).replace("{document}", document)
+            tokens = list(model.tokenize(text.encode("utf-8"), add_bos=False, special=True))
+            return tokens if limit is None else tokens[:limit]
+        vocab = model.vocab
+        q = list(model.tokenize(query.encode("utf-8"), add_bos=False, special=False))
+        d = list(model.tokenize(document.encode("utf-8"), add_bos=False, special=False))
+        eos = int(lc.llama_vocab_eos(vocab))
+        if eos < 0:
+            eos = int(lc.llama_vocab_sep(vocab))
+        add_eos = bool(lc.llama_vocab_get_add_eos(vocab))
+        head = [int(lc.llama_vocab_bos(vocab))] if lc.llama_vocab_get_add_bos(vocab) else []
+        head += (
+            q
+            + ([eos] if add_eos else [])
+            + ([int(lc.llama_vocab_sep(vocab))] if lc.llama_vocab_get_add_sep(vocab) else [])
+        )
+        tail = [eos] if add_eos else []
+        if limit is not None and len(head) + len(d) + len(tail) > limit:
+            keep = limit - len(head) - len(tail)
+            if keep < 0:
+                return (head + d + tail)[:limit]
+            d = d[:keep]
+        return head + d + tail
+
+    def _rank(self, pairs: list[list[int]]) -> list[float]:
+        """The rank score of each token sequence: as many sequences per ``llama_decode`` as fit n_batch tokens and
+        the context's sequence slots, each its own sequence id; the score is element 0 of its pooled output."""
+        lc, llm = self.lc, self.llm
+        n_batch = int(llm.n_batch)
+        n_seq_max = max(1, int(llm.context_params.n_seq_max))
+        scores: list[float] = []
+        group: list[list[int]] = []
+
+        def flush() -> None:
+            if not group:
+                return
+            llm._ctx.kv_cache_clear()
+            llm._batch.reset()
+            for i, tokens in enumerate(group):
+                llm._batch.add_sequence(tokens, i, True)
+            llm._ctx.decode(llm._batch)
+            for i in range(len(group)):
+                ptr = lc.llama_get_embeddings_seq(llm._ctx.ctx, i)
+                if not ptr:
+                    raise RequestError("llama.cpp returned no rank score", 500)
+                scores.append(float(ptr[0]))
+            llm._batch.reset()
+            llm._ctx.kv_cache_clear()
+            group.clear()
+
+        used = 0
+        for tokens in pairs:
+            if used + len(tokens) > n_batch or len(group) >= n_seq_max:
+                flush()
+                used = 0
+            group.append(tokens)
+            used += len(tokens)
+        flush()
+        return scores
+
+    def rerank(self, query: str, documents: list[str], truncate: bool) -> dict[str, Any]:
+        if not self._is_reranker():
+            raise RequestError("this model does not support reranking")
+        if not self._embedded:
+            self._embedded = True
+            _inject_fault("first-decode", self.spec)
+        limit = min(int(self.llm.n_batch), int(self.llm.n_ctx()))
+        pairs: list[list[int]] = []
+        for doc in documents:
+            tokens = self._rerank_tokens(query, doc)
+            if len(tokens) > limit:
+                if not truncate:
+                    raise RequestError(
+                        f"the query and document {len(pairs)} are {len(tokens)} tokens, more than "
+                        f"the {limit} this model was loaded for (num_ctx / num_batch)"
+                    )
+                tokens = self._rerank_tokens(query, doc, limit)
+            if not tokens:
+                raise RequestError("an empty query and document")
+            pairs.append(tokens)
+        return {"scores": self._rank(pairs), "prompt_eval_count": sum(len(t) for t in pairs)}
+
+    def pieces(self, tokens: list[int]) -> list[Any]:
+        """Each token's text (special tokens included): a string, or its bytes as a list of ints where they are not
+        valid UTF-8 alone (a part of a character), as llama-server's ``with_pieces``."""
+        lc, vocab = self.lc, self.model.vocab
+        out: list[Any] = []
+        buf = ctypes.create_string_buffer(64)
+        for token in tokens:
+            n = int(lc.llama_token_to_piece(vocab, lc.llama_token(int(token)), buf, len(buf), 0, True))
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = int(lc.llama_token_to_piece(vocab, lc.llama_token(int(token)), buf, len(buf), 0, True))
+            raw = buf.raw[: max(n, 0)]
+            try:
+                out.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                out.append(list(raw))
+        return out
+
     # -- dispatch --------------------------------------------------------------------------------------------------
     def handle(self, msg: dict[str, Any]) -> None:
         rid = int(msg.get("id", 0))
@@ -298,14 +454,30 @@ class Runner:
             if op == "generate":
                 self.generate(rid, msg["req"])
             elif op == "embed":
-                self.chan.send({"id": rid, "type": "result", **self.embed(list(msg["inputs"]),
-                                                                           bool(msg.get("truncate", True)))})
+                self.chan.send(
+                    {"id": rid, "type": "result", **self.embed(list(msg["inputs"]), bool(msg.get("truncate", True)))}
+                )
             elif op == "slots":
                 slots = self.engine.slots_info() if self.engine is not None else []
                 self.chan.send({"id": rid, "type": "result", "slots": slots})
             elif op == "tokenize":
-                self.chan.send({"id": rid, "type": "result",
-                                "tokens": self.tokenize(msg["text"], bool(msg.get("add_special", True)))})
+                self.chan.send(
+                    {
+                        "id": rid,
+                        "type": "result",
+                        "tokens": self.tokenize(msg["text"], bool(msg.get("add_special", True))),
+                    }
+                )
+            elif op == "rerank":
+                self.chan.send(
+                    {
+                        "id": rid,
+                        "type": "result",
+                        **self.rerank(str(msg["query"]), list(msg["documents"]), bool(msg.get("truncate", True))),
+                    }
+                )
+            elif op == "pieces":
+                self.chan.send({"id": rid, "type": "result", "pieces": self.pieces(list(msg["tokens"]))})
             elif op == "detokenize":
                 text = self.model.detokenize(list(msg["tokens"])).decode("utf-8", errors="replace")
                 self.chan.send({"id": rid, "type": "result", "text": text})

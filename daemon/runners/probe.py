@@ -52,16 +52,28 @@ def cpu_features(text: str) -> list[str]:
 
 
 class _Caps(ctypes.Structure):
-    _fields_ = [("async_", ctypes.c_bool), ("host_buffer", ctypes.c_bool), ("buffer_from_host_ptr", ctypes.c_bool),
-                ("events", ctypes.c_bool), ("mmap_support", ctypes.c_bool)]
+    _fields_ = [
+        ("async_", ctypes.c_bool),
+        ("host_buffer", ctypes.c_bool),
+        ("buffer_from_host_ptr", ctypes.c_bool),
+        ("events", ctypes.c_bool),
+        ("mmap_support", ctypes.c_bool),
+    ]
 
 
 class _Props(ctypes.Structure):
     """struct ggml_backend_dev_props, with spare room at the end in case a later version grows it."""
 
-    _fields_ = [("name", ctypes.c_char_p), ("description", ctypes.c_char_p), ("memory_free", ctypes.c_size_t),
-                ("memory_total", ctypes.c_size_t), ("type", ctypes.c_int), ("device_id", ctypes.c_char_p),
-                ("caps", _Caps), ("_spare", ctypes.c_char * 256)]
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("description", ctypes.c_char_p),
+        ("memory_free", ctypes.c_size_t),
+        ("memory_total", ctypes.c_size_t),
+        ("type", ctypes.c_int),
+        ("device_id", ctypes.c_char_p),
+        ("caps", _Caps),
+        ("_spare", ctypes.c_char * 256),
+    ]
 
 
 class _Ggml:
@@ -138,8 +150,11 @@ def probe() -> dict[str, Any]:
     quiet = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
     llama_cpp.llama_log_set(quiet, ctypes.c_void_p(0))  # also ggml's log (llama_log_set forwards it)
     g = _Ggml(llama_cpp)
-    out: dict[str, Any] = {"llama_cpp_version": getattr(llama_cpp, "__version__", ""), "lib_dir": g.lib_dir,
-                           "errors": []}
+    out: dict[str, Any] = {
+        "llama_cpp_version": getattr(llama_cpp, "__version__", ""),
+        "lib_dir": g.lib_dir,
+        "errors": [],
+    }
     out["dynamic_backends"] = g.ensure_loaded()
     backends = []
     for i in range(int(g.reg_count())):
@@ -163,16 +178,18 @@ def probe() -> dict[str, Any]:
                 device_id = _text(props.device_id)
             except Exception as exc:  # noqa: BLE001
                 out["errors"].append(f"device {i}: props: {exc}")
-        devices.append({
-            "index": i,
-            "name": _text(g.dev_name(dev)),
-            "description": _text(g.dev_description(dev)),
-            "backend": _text(g.reg_name(g.dev_backend_reg(dev))),
-            "type": DEVICE_TYPES.get(kind, f"unknown({kind})"),
-            "memory_total": int(total.value),
-            "memory_free": int(free.value),
-            "device_id": device_id,
-        })
+        devices.append(
+            {
+                "index": i,
+                "name": _text(g.dev_name(dev)),
+                "description": _text(g.dev_description(dev)),
+                "backend": _text(g.reg_name(g.dev_backend_reg(dev))),
+                "type": DEVICE_TYPES.get(kind, f"unknown({kind})"),
+                "memory_total": int(total.value),
+                "memory_free": int(free.value),
+                "device_id": device_id,
+            }
+        )
     out["devices"] = devices
     out["gpu_offload"] = bool(llama_cpp.llama_supports_gpu_offload())
     out["max_devices"] = int(llama_cpp.llama_max_devices())

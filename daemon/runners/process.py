@@ -10,7 +10,9 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
+import re
 import signal
 import sys
 from collections import deque
@@ -32,12 +34,61 @@ from daemon.runners.base import (
 from daemon.runners.protocol import HEADER, MAX_FRAME, encode
 from registry.errors import InvalidRequest
 
+#: default seconds a load may go without progress (CORRAL_LOAD_TIMEOUT, as OLLAMA_LOAD_TIMEOUT); math.inf = forever
 LOAD_TIMEOUT = 300.0
 _CRASH = object()
 
 
 class RunnerRequestError(InvalidRequest):
     """The runner refused a request (a 400: prompt too long, bad grammar...)."""
+
+
+# llama.cpp's own one-line reasons for refusing a model that a client may see: they name what is in the model file
+# (an architecture, a tensor, a key, counts), never a path, an address or a native trace. Anything else stays in the
+# daemon log.
+_WORD = r"[\w.\-+]{1,128}"
+_SAFE_LOAD_REASONS = tuple(
+    re.compile(p)
+    for p in (
+        rf"unknown model architecture: '{_WORD}'",
+        rf"missing tensor '{_WORD}'",
+        rf"tensor '{_WORD}' not found",
+        rf"tensor '{_WORD}' has wrong shape; expected [\d, ]{{1,80}}, got [\d, ]{{1,80}}",
+        r"wrong number of tensors; expected \d{1,9}, got \d{1,9}",
+        rf"key not found in model: {_WORD}",
+        rf"n > N_MAX: \d{{1,20}} > \d{{1,20}} for key {_WORD}",
+        rf"key {_WORD} has wrong array length; expected \d{{1,20}}, got \d{{1,20}}",
+        rf"unknown pre-tokenizer type: '{_WORD}'",
+        rf"unknown tokenizer: '{_WORD}'",
+    )
+)
+_LOAD_ERROR = re.compile(r"error loading model: (.+)$")
+_NESTED = re.compile(
+    r"^(?:error loading model (?:architecture|hyperparameters|vocabulary|tensors)|check_tensor_dims"
+    r"|create_tensor): "
+)
+TAIL_LINES = 20  # stderr lines written to the daemon log when a runner fails
+
+
+def safe_load_reason(lines: list[str]) -> str | None:
+    """llama.cpp's reason for refusing the model, from its log lines, when it is one of the known path-free
+    messages; else None (the client is told to see the daemon log)."""
+    for line in reversed(lines):
+        m = _LOAD_ERROR.search(line.strip())
+        if m is None:
+            continue
+        reason = m.group(1).strip()
+        while (nested := _NESTED.match(reason)) is not None:
+            reason = reason[nested.end() :]
+        if (
+            len(reason) <= 200
+            and "/" not in reason
+            and "\\" not in reason
+            and any(p.fullmatch(reason) for p in _SAFE_LOAD_REASONS)
+        ):
+            return reason
+        return None
+    return None
 
 
 def _describe_exit(code: int | None) -> str:
@@ -52,9 +103,18 @@ def _describe_exit(code: int | None) -> str:
 
 
 class ProcessRunner:
-    def __init__(self, spec: LoadSpec, *, python: str = sys.executable, env: dict[str, str] | None = None,
-                 log: logging.Logger | None = None) -> None:
+    def __init__(
+        self,
+        spec: LoadSpec,
+        *,
+        python: str = sys.executable,
+        env: dict[str, str] | None = None,
+        log: logging.Logger | None = None,
+        load_timeout: float = LOAD_TIMEOUT,
+    ) -> None:
         self.spec = spec
+        self.load_timeout = load_timeout if load_timeout > 0 else math.inf  # CORRAL_LOAD_TIMEOUT; <= 0 = forever
+        self._progress_at = 0.0  # loop time of the load's last sign of progress (a stage frame or a log line)
         self._python = python
         self._env = env
         self._log = log or logging.getLogger("daemon.runner")
@@ -71,6 +131,7 @@ class ProcessRunner:
         self._memory = MemoryUse(0, 0)
         self._stage = "start"  # what the runner said it was doing last (load, warm-up, ready)
         self._decoded = False  # a decode finished: a crash from now on is not the configuration's first-decode fault
+        self._stderr_logged = False
 
     # -- Runner protocol -------------------------------------------------------------------------------------------
     @property
@@ -92,39 +153,83 @@ class ProcessRunner:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self._proc = await asyncio.create_subprocess_exec(
-            self._python, "-m", "daemon.runners.llama_cpp",
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            env=env, limit=MAX_FRAME,
+            self._python,
+            "-m",
+            "daemon.runners.llama_cpp",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            limit=MAX_FRAME,
         )
         self._loaded = asyncio.get_running_loop().create_future()
         self._reader = asyncio.ensure_future(self._read_frames())
         self._err_reader = asyncio.ensure_future(self._read_stderr())
         self._send({"op": "load", "spec": dataclasses.asdict(self.spec)})
         try:
-            msg = await asyncio.wait_for(asyncio.shield(self._loaded), LOAD_TIMEOUT)
-        except asyncio.TimeoutError:
+            msg = await self._wait_loaded()
+        except TimeoutError:
             await self.close()
-            raise LoadFailed(f"timed out loading {self.spec.model_path} after {LOAD_TIMEOUT:.0f}s") from None
+            limit = f"{self.load_timeout:g}s"
+            self._log_stderr(f"timed out loading {self.spec.model_path}: no progress for {limit} (CORRAL_LOAD_TIMEOUT)")
+            raise LoadFailed(
+                f"timed out waiting for the model to load: no progress for {limit}; raise "
+                f"CORRAL_LOAD_TIMEOUT (now {limit}; 0 = wait forever) for slow disks or large models, "
+                "and see the daemon log"
+            ) from None
         if msg.get("type") != "loaded":
             await self.close()
             code = self._proc.returncode if self._proc else None
             sig = -code if code is not None and code < 0 else None
+            # what the runner said (it may hold paths) and its stderr go to the daemon log only
+            self._log_stderr(
+                f"could not load {self.spec.model_path} ({_describe_exit(code)}): "
+                f"{msg.get('message') or 'the runner exited'}",
+                list(msg.get("log_lines") or []),
+            )
             if sig is not None:
                 stage = "warm-up" if self._stage == "warm-up" else "load"
-                raise LoadFailed(f"llama runner process has terminated: {_describe_exit(code)} during {stage}",
-                                 signal=sig, stage=stage)
-            detail = msg.get("message") or "the runner exited"
-            tail = "; ".join(line for line in list(self._stderr)[-3:] if line.strip())
-            raise LoadFailed(f"llama runner process has terminated: {detail}" + (f" ({tail})" if tail else ""))
+                raise LoadFailed(
+                    f"llama runner process has terminated: {_describe_exit(code)} during {stage}",
+                    signal=sig,
+                    stage=stage,
+                )
+            reason = safe_load_reason([str(x) for x in msg.get("log_lines") or []] + list(self._stderr))
+            raise LoadFailed(
+                "llama runner process has terminated: llama.cpp could not load the model: "
+                + (reason or "see the daemon log for details")
+            )
         self._info = msg.get("info") or {}
         from daemon.memory import parse_llama_log
 
         sizes = parse_llama_log(self._info.get("log_lines") or [])
         self._memory = MemoryUse(ram=sizes["ram"], vram=sizes["vram"])
-        self._log.info("runner loaded pid=%s model=%s ram=%d vram=%d", self.pid, self.spec.model_path,
-                       self._memory.ram, self._memory.vram)
+        self._log.info(
+            "runner loaded pid=%s model=%s ram=%d vram=%d",
+            self.pid,
+            self.spec.model_path,
+            self._memory.ram,
+            self._memory.vram,
+        )
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[Event]:  # type: ignore[override]
+    async def _wait_loaded(self) -> dict[str, Any]:
+        """The runner's load answer; asyncio.TimeoutError after ``load_timeout`` seconds without progress (a stage
+        frame or a log line from the runner restarts the clock)."""
+        assert self._loaded is not None
+        loop = asyncio.get_running_loop()
+        self._progress_at = loop.time()
+        while True:
+            if math.isinf(self.load_timeout):
+                return await asyncio.shield(self._loaded)
+            left = self._progress_at + self.load_timeout - loop.time()
+            if left <= 0:
+                raise TimeoutError
+            try:
+                return await asyncio.wait_for(asyncio.shield(self._loaded), left)
+            except TimeoutError:
+                continue  # progress may have come meanwhile: check again
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[Event]:
         # no lock: the runner batches concurrent generations (up to num_parallel at once, the rest wait there)
         rid, q = self._open()
         payload = dataclasses.asdict(req)
@@ -143,10 +248,16 @@ class ProcessRunner:
                 elif kind == "done":
                     self._decoded = True
                     finished = True
-                    yield Done(done_reason=msg["done_reason"], prompt_eval_count=msg["prompt_eval_count"],
-                               prompt_eval_duration=msg["prompt_eval_duration"], eval_count=msg["eval_count"],
-                               eval_duration=msg["eval_duration"], context=tuple(msg.get("context") or ()),
-                               stop_sequence=msg.get("stop_sequence"), prompt_cached=int(msg.get("prompt_cached", 0)))
+                    yield Done(
+                        done_reason=msg["done_reason"],
+                        prompt_eval_count=msg["prompt_eval_count"],
+                        prompt_eval_duration=msg["prompt_eval_duration"],
+                        eval_count=msg["eval_count"],
+                        eval_duration=msg["eval_duration"],
+                        context=tuple(msg.get("context") or ()),
+                        stop_sequence=msg.get("stop_sequence"),
+                        prompt_cached=int(msg.get("prompt_cached", 0)),
+                    )
                     return
                 elif kind == "error":
                     finished = True
@@ -174,6 +285,17 @@ class ProcessRunner:
     async def detokenize(self, tokens: list[int]) -> str:
         return str((await self._call({"op": "detokenize", "tokens": tokens}))["text"])
 
+    async def rerank(self, query: str, documents: list[str], *, truncate: bool = True) -> tuple[list[float], int]:
+        """Each document's relevance score to ``query`` (a runner loaded with ``LoadSpec.rerank``), and the tokens
+        evaluated."""
+        msg = await self._call({"op": "rerank", "query": query, "documents": documents, "truncate": truncate})
+        self._decoded = True
+        return [float(x) for x in msg["scores"]], int(msg["prompt_eval_count"])
+
+    async def token_pieces(self, tokens: list[int]) -> list[Any]:
+        """Each token's text: a string, or a list of byte values where it is not valid UTF-8 alone."""
+        return list((await self._call({"op": "pieces", "tokens": tokens}))["pieces"])
+
     async def close(self) -> None:
         proc = self._proc
         if proc is None:
@@ -183,7 +305,7 @@ class ProcessRunner:
                 self._send({"op": "shutdown"})
             try:
                 await asyncio.wait_for(proc.wait(), 5)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
@@ -218,7 +340,7 @@ class ProcessRunner:
                     raise self._crashed()
                 if msg.get("type") == "error":
                     raise self._error(msg)
-                return msg  # type: ignore[no-any-return]
+                return msg
             finally:
                 self._queues.pop(rid, None)
 
@@ -231,9 +353,7 @@ class ProcessRunner:
     def _error(self, msg: dict[str, Any]) -> Exception:
         if int(msg.get("status", 500)) == 400:
             return RunnerRequestError(str(msg.get("message")))
-        err = RunnerError(str(msg.get("message")))
-        err.status = int(msg.get("status", 500))
-        return err
+        return RunnerError(str(msg.get("message")), status=int(msg.get("status", 500)))
 
     @property
     def exit_signal(self) -> int | None:
@@ -246,14 +366,27 @@ class ProcessRunner:
         return self._decoded
 
     def _crashed(self) -> RunnerCrashed:
+        """The error for requests that find the runner gone: how it ended, never its stderr (native traces, paths),
+        which goes to the daemon log."""
         code = self._proc.returncode if self._proc else None
-        tail = "; ".join(line for line in list(self._stderr)[-2:] if line.strip())
+        self._log_stderr(f"stopped unexpectedly ({_describe_exit(code)})")
         return RunnerCrashed(
-            f"the model runner stopped unexpectedly ({_describe_exit(code)})"
-            + (f": {tail}" if tail and code not in (None, -9) and code >= 0 else "")
-            + "; the model will be loaded again on the next request",
-            signal=self.exit_signal, early=not self._decoded,
+            f"the model runner stopped unexpectedly ({_describe_exit(code)}); the model will be loaded again on the "
+            "next request",
+            signal=self.exit_signal,
+            early=not self._decoded,
         )
+
+    def _log_stderr(self, what: str, llama_log: list[str] | None = None) -> None:
+        """Once per runner: why it failed, the end of llama.cpp's log (when the runner sent it) and the tail of its
+        stderr, in the daemon log (for the administrator), as one record."""
+        if self._stderr_logged:
+            return
+        self._stderr_logged = True
+        lines = [str(x).rstrip() for x in (llama_log or [])[-TAIL_LINES:]]
+        lines += [x for x in list(self._stderr)[-TAIL_LINES:] if x not in lines]
+        tail = " | ".join(x.strip() for x in lines if x.strip())
+        self._log.warning("runner pid=%s %s; stderr: %s", self.pid, what, tail or "(empty)")
 
     async def _read_frames(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
@@ -267,6 +400,7 @@ class ProcessRunner:
                 msg = json.loads(await out.readexactly(n))
                 if msg.get("type") == "stage":
                     self._stage = str(msg.get("stage"))
+                    self._progress_at = asyncio.get_running_loop().time()
                     continue
                 if msg.get("type") in ("loaded", "load_error"):
                     if self._loaded is not None and not self._loaded.done():
@@ -282,8 +416,9 @@ class ProcessRunner:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._proc.wait(), 5)
             if self._loaded is not None and not self._loaded.done():
-                self._loaded.set_result({"type": "load_error",
-                                         "message": f"the runner exited ({_describe_exit(self._proc.returncode)})"})
+                self._loaded.set_result(
+                    {"type": "load_error", "message": f"the runner exited ({_describe_exit(self._proc.returncode)})"}
+                )
             for q in self._queues.values():
                 q.put_nowait(_CRASH)
             if self._proc.returncode not in (0, None):
@@ -296,5 +431,6 @@ class ProcessRunner:
             if not line:
                 return
             text = line.decode("utf-8", errors="replace").rstrip()
+            self._progress_at = asyncio.get_running_loop().time()
             self._stderr.append(text)
             self._log.debug("runner pid=%s: %s", self._proc.pid, text)

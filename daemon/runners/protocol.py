@@ -26,4 +26,4 @@ def read_frame(f: BinaryIO) -> dict[str, Any] | None:
     data = f.read(n)
     if len(data) < n:
         return None
-    return json.loads(data)  # type: ignore[no-any-return]
+    return json.loads(data)

@@ -6,13 +6,15 @@ k best tokens together without a pass of argpartition over the vocabulary (``top
 defaults a quarter of the time that took: ``bench/sampling.py``), then share one sort of the survivors and
 row-wise softmax, top-p and min-p masks. Rows without a top_k
 draw from the whole row when nothing truncates it, else look for their nucleus among their best tokens first.
-Mirostat and typical-p, rare options, run per row. Each sequence has its own random generator, so a seeded
+Typical-p, a rare option, runs per row. Each sequence has its own random generator, so a seeded
 request samples the same tokens whatever else is in the batch.
 
-Semantics are Ollama's options (``api/types.go``), in the order of Ollama's own sampler: repeat, presence and
+Semantics are Ollama's options (``api/types.go``), in the order of Ollama's own sampler: a request's
+``logit_bias`` (OpenAI's; first, as in llama.cpp's sampler chain; -100 bans a token), repeat, presence and
 frequency penalties over the last ``repeat_last_n`` tokens of the context, then top-k, temperature, softmax,
-top-p, min-p, typical-p, and a draw. ``top_k`` <= 0 means the whole vocabulary. Mirostat 1 and 2 replace the
-truncation steps when set. Nothing here imports llama_cpp.
+top-p, min-p, typical-p, and a draw. ``top_k`` <= 0 means the whole vocabulary. Mirostat is not here: Ollama
+dropped it, and the API checks and drops its options (``modelfile.params.DEPRECATED_OPTIONS``). The defaults are
+``modelfile.params.DEFAULT_OPTIONS``. Nothing here imports llama_cpp.
 """
 
 from __future__ import annotations
@@ -24,54 +26,120 @@ from typing import Any
 
 import numpy as np
 
+from daemon.runners.base import option_default
+from modelfile.params import DEFAULT_OPTIONS
+
 NEG_INF = np.float32(-np.inf)
 
 
 @dataclass
 class SeqSampler:
-    """One sequence's sampling settings and state (random generator, mirostat's mu, penalty window)."""
+    """One sequence's sampling settings and state (random generator, penalty window)."""
 
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.9
-    min_p: float = 0.0
-    typical_p: float = 1.0
-    repeat_penalty: float = 1.1
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    mirostat: int = 0
-    mirostat_tau: float = 5.0
-    mirostat_eta: float = 0.1
-    seed: int = -1
+    temperature: float = float(option_default("temperature"))
+    top_k: int = int(option_default("top_k"))
+    top_p: float = float(option_default("top_p"))
+    min_p: float = float(option_default("min_p"))
+    typical_p: float = float(option_default("typical_p"))
+    repeat_penalty: float = float(option_default("repeat_penalty"))
+    repeat_last_n: int = int(option_default("repeat_last_n"))
+    presence_penalty: float = float(option_default("presence_penalty"))
+    frequency_penalty: float = float(option_default("frequency_penalty"))
+    seed: int = int(option_default("seed"))
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
-    mu: float = 0.0
+    bias: tuple[np.ndarray, np.ndarray] | None = None  # logit_bias as (token ids, values): ``bias_arrays``
 
     @classmethod
-    def from_params(cls, p: dict[str, Any], num_ctx: int) -> SeqSampler:
-        seed = int(p.get("seed", -1))
-        last_n = int(p.get("repeat_last_n", 64))
-        s = cls(
-            temperature=float(p.get("temperature", 0.8)), top_k=int(p.get("top_k", 40)),
-            top_p=float(p.get("top_p", 0.9)), min_p=float(p.get("min_p", 0.0)),
-            typical_p=float(p.get("typical_p", 1.0)), repeat_penalty=float(p.get("repeat_penalty", 1.1)),
+    def from_params(cls, params: dict[str, Any], num_ctx: int) -> SeqSampler:
+        """From a request's sampling options (``SampleParams`` as a dict); a missing one takes its default."""
+        p: dict[str, Any] = {**DEFAULT_OPTIONS, **params}
+        seed = int(p["seed"])
+        last_n = int(p["repeat_last_n"])
+        return cls(
+            temperature=float(p["temperature"]),
+            top_k=int(p["top_k"]),
+            top_p=float(p["top_p"]),
+            min_p=float(p["min_p"]),
+            typical_p=float(p["typical_p"]),
+            repeat_penalty=float(p["repeat_penalty"]),
             repeat_last_n=num_ctx if last_n < 0 else last_n,
-            presence_penalty=float(p.get("presence_penalty", 0.0)),
-            frequency_penalty=float(p.get("frequency_penalty", 0.0)), mirostat=int(p.get("mirostat", 0)),
-            mirostat_tau=float(p.get("mirostat_tau", 5.0)), mirostat_eta=float(p.get("mirostat_eta", 0.1)),
-            seed=seed, rng=np.random.default_rng(seed if seed >= 0 else None),
+            presence_penalty=float(p["presence_penalty"]),
+            frequency_penalty=float(p["frequency_penalty"]),
+            seed=seed,
+            rng=np.random.default_rng(seed if seed >= 0 else None),
         )
-        s.mu = 2.0 * s.mirostat_tau
-        return s
 
     @property
     def penalised(self) -> bool:
-        return self.repeat_last_n > 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
-                                           or self.frequency_penalty != 0.0)
+        return self.repeat_last_n > 0 and (
+            self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+
+MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
+BIAS_LIMIT = 100.0  # biases lie in [-100, 100], as OpenAI's; -100 bans the token outright
+
+
+def parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """A ``logit_bias`` checked: OpenAI's object ``{"token id": bias}`` (ids as decimal strings) or pairs
+    ``[[id, bias], ...]``; ids integers >= 0, biases finite numbers in [-100, 100], at most ``MAX_LOGIT_BIAS``
+    entries. Pairs sorted by id (a repeated id keeps its last bias). ValueError says what is wrong (the caller
+    names the field); the upper bound of the ids, the model's vocabulary, is checked by ``bias_arrays``."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = []
+        for item in value:
+            if not isinstance(item, (list, tuple)) or len(item) != 2:
+                raise ValueError("must be an object of token ids and biases, or an array of [id, bias] pairs")
+            items.append((item[0], item[1]))
+    else:
+        raise ValueError("must be an object mapping token ids (as strings) to biases between -100 and 100")
+    if len(items) > MAX_LOGIT_BIAS:
+        raise ValueError(f"has {len(items)} entries; at most {MAX_LOGIT_BIAS} are accepted")
+    out: dict[int, float] = {}
+    for key, bias in items:
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit() and key.strip().isascii():
+            token = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool):
+            token = key
+        else:
+            raise ValueError(f"keys must be token ids (integers, as strings), got {key!r}")
+        if token < 0:
+            raise ValueError(f"token id {token} is negative")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise ValueError(f"bias for token {token} must be a number between -100 and 100, got {bias!r}")
+        if not -BIAS_LIMIT <= bias <= BIAS_LIMIT:
+            raise ValueError(f"bias for token {token} must be between -100 and 100, got {bias!r}")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
+
+
+def bias_arrays(pairs: Sequence[Sequence[Any]], n_vocab: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(ids, values)`` to add to a logits row, from checked pairs; a bias of -100 becomes -inf (a ban, whatever
+    the logit). ValueError for an id outside the vocabulary; None when there is nothing to add."""
+    if not pairs:
+        return None
+    ids = np.array([int(p[0]) for p in pairs], dtype=np.int64)
+    bad = ids[(ids < 0) | (ids >= n_vocab)]
+    if bad.size:
+        raise ValueError(f"token id {int(bad[0])} is out of range: this model's vocabulary has ids 0 to {n_vocab - 1}")
+    values = np.array([float(p[1]) for p in pairs], dtype=np.float32)
+    values[values <= -BIAS_LIMIT] = NEG_INF
+    ids, first = np.unique(ids, return_index=True)  # sorted and unique (np.add on repeated ids adds once)
+    return ids, values[first]
+
+
+def apply_bias(row: np.ndarray, bias: tuple[np.ndarray, np.ndarray]) -> None:
+    """Add a sequence's logit_bias to its row, in place (before penalties, as llama.cpp's sampler chain)."""
+    ids, values = bias
+    row[ids] += values
 
 
 def apply_penalties(row: np.ndarray, window: Sequence[int], s: SeqSampler) -> None:
@@ -99,22 +167,21 @@ def _softmax_rows(x: np.ndarray) -> np.ndarray:
 def sample_rows(logits: np.ndarray, samplers: Sequence[SeqSampler], windows: Sequence[Sequence[int]]) -> list[int]:
     """One token per row of ``logits`` (shape ``(rows, vocab)``, modified in place)."""
     n_rows, vocab = logits.shape
-    if all(s.greedy and not s.penalised for s in samplers):  # the common case at temperature 0: one argmax
+    if all(s.greedy and not s.penalised and s.bias is None for s in samplers):  # common at temp 0: one argmax
         return list(np.argmax(logits, axis=1).tolist())
     out = [0] * n_rows
-    for i, s in enumerate(samplers):
+    for i, s in enumerate(samplers):  # per row, only for the rows that have a logit_bias or penalties
+        if s.bias is not None:
+            apply_bias(logits[i], s.bias)
         if s.penalised:
-            apply_penalties(logits[i], windows[i][-s.repeat_last_n:], s)
+            apply_penalties(logits[i], windows[i][-s.repeat_last_n :], s)
     greedy = [i for i, s in enumerate(samplers) if s.greedy]
     if greedy:
-        for i, tok in zip(greedy, np.argmax(logits[greedy], axis=1).tolist()):
+        for i, tok in zip(greedy, np.argmax(logits[greedy], axis=1).tolist(), strict=True):
             out[i] = int(tok)
-    miro = [i for i, s in enumerate(samplers) if not s.greedy and s.mirostat in (1, 2)]
-    for i in miro:
-        out[i] = _mirostat(logits[i], samplers[i])
-    rest = [i for i, s in enumerate(samplers) if not s.greedy and s.mirostat not in (1, 2)]
+    rest = [i for i, s in enumerate(samplers) if not s.greedy]
     if rest:
-        for i, tok in zip(rest, _sample_truncated(_rows(logits, rest), [samplers[i] for i in rest])):
+        for i, tok in zip(rest, _sample_truncated(_rows(logits, rest), [samplers[i] for i in rest]), strict=True):
             out[i] = tok
     return out
 
@@ -134,18 +201,21 @@ def top_candidates(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     size = max(8, min(64, vocab // (4 * k)))  # tokens per group
     n_groups = vocab // size
     if k >= vocab or n_groups <= 2 * k:
-        ids = np.argpartition(logits, vocab - k, axis=1)[:, vocab - k:] if k < vocab else np.broadcast_to(
-            np.arange(vocab), (n_rows, vocab))
+        ids = (
+            np.argpartition(logits, vocab - k, axis=1)[:, vocab - k :]
+            if k < vocab
+            else np.broadcast_to(np.arange(vocab), (n_rows, vocab))
+        )
     else:
-        maxima = logits[:, :n_groups * size].reshape(n_rows, size, n_groups).max(axis=1)
-        groups = np.argpartition(maxima, n_groups - k, axis=1)[:, n_groups - k:]
+        maxima = logits[:, : n_groups * size].reshape(n_rows, size, n_groups).max(axis=1)
+        groups = np.argpartition(maxima, n_groups - k, axis=1)[:, n_groups - k :]
         cand = (groups[:, :, None] + np.arange(0, size * n_groups, n_groups)).reshape(n_rows, k * size)
         if n_groups * size < vocab:  # the last ids, fewer than a group, are always candidates
             tail = np.arange(n_groups * size, vocab)
             cand = np.concatenate([cand, np.broadcast_to(tail, (n_rows, tail.size))], axis=1)
         values = np.take_along_axis(logits, cand, axis=1)
         n_cand = cand.shape[1]
-        ids = np.take_along_axis(cand, np.argpartition(values, n_cand - k, axis=1)[:, n_cand - k:], axis=1)
+        ids = np.take_along_axis(cand, np.argpartition(values, n_cand - k, axis=1)[:, n_cand - k :], axis=1)
     values = np.take_along_axis(logits, ids, axis=1)
     order = np.lexsort((ids, -values), axis=1)
     return np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
@@ -165,7 +235,8 @@ def _sample_truncated(logits: np.ndarray, samplers: Sequence[SeqSampler]) -> lis
     out = [0] * n_rows
     temps = np.array([s.temperature for s in samplers], dtype=np.float64)[:, None]
     limited = [i for i, s in enumerate(samplers) if 0 < s.top_k < vocab]
-    untruncated, nucleus = [], []
+    untruncated: list[int] = []
+    nucleus: list[int] = []
     for i, s in enumerate(samplers):
         if not 0 < s.top_k < vocab:
             plain = s.top_p >= 1.0 and s.min_p <= 0.0 and not 0.0 < s.typical_p < 1.0
@@ -175,7 +246,7 @@ def _sample_truncated(logits: np.ndarray, samplers: Sequence[SeqSampler]) -> lis
         ids, values = top_candidates(_rows(logits, limited), int(ks.max()))
         values = values.astype(np.float64) / temps[limited]
         values[np.arange(values.shape[1])[None, :] >= ks[:, None]] = -np.inf  # each row's own k
-        for i, tok in zip(limited, _draw(ids, values, [samplers[i] for i in limited], None)):
+        for i, tok in zip(limited, _draw(ids, values, [samplers[i] for i in limited], None), strict=True):
             out[i] = tok
     for i in untruncated:  # the whole distribution: no order needed, one cumulative sum
         x = logits[i].astype(np.float64) / temps[i]
@@ -187,19 +258,23 @@ def _sample_truncated(logits: np.ndarray, samplers: Sequence[SeqSampler]) -> lis
         log_z = peak[:, 0] + np.log(np.exp(rows - peak).sum(axis=1))  # the whole row's normaliser
         ids, values = top_candidates(rows, OPEN_CANDIDATES)
         chosen = _draw(ids, values, [samplers[i] for i in nucleus], log_z)
-        for r, (i, tok) in enumerate(zip(nucleus, chosen)):
+        for r, (i, tok) in enumerate(zip(nucleus, chosen, strict=True)):
             more = OPEN_CANDIDATES
             while tok is None:  # the nucleus reaches past the candidates: 16 times more, up to the whole row
                 more = min(vocab, more * 16)
-                more_ids, more_values = top_candidates(rows[r:r + 1], more)
+                more_ids, more_values = top_candidates(rows[r : r + 1], more)
                 # the whole row is its own normaliser: nothing lies past it
-                tok = _draw(more_ids, more_values, [samplers[i]], None if more >= vocab else log_z[r:r + 1])[0]
+                tok = _draw(more_ids, more_values, [samplers[i]], None if more >= vocab else log_z[r : r + 1])[0]
             out[i] = int(tok)
     return out
 
 
-def _draw(ids: np.ndarray, values: np.ndarray, samplers: Sequence[SeqSampler], log_z: np.ndarray | None,
-          ) -> list[Any]:
+def _draw(
+    ids: np.ndarray,
+    values: np.ndarray,
+    samplers: Sequence[SeqSampler],
+    log_z: np.ndarray | None,
+) -> list[Any]:
     """One token per row from candidates sorted best first, their values already divided by the temperature:
     softmax over the candidates, or, given ``log_z``, against the whole row's normaliser (the candidates are then
     the row's best tokens, not all of them), top-p, min-p, typical-p. With ``log_z``, a row whose cut does not
@@ -238,39 +313,8 @@ def _typical(p: np.ndarray, typical_p: float) -> np.ndarray:
     cum = np.cumsum(q[order])
     cut = int(np.searchsorted(cum, typical_p) + 1)
     mask = np.zeros_like(q, dtype=bool)
-    mask[order[:max(cut, 1)]] = True
+    mask[order[: max(cut, 1)]] = True
     return np.where(mask, p, 0.0)
-
-
-def _mirostat(row: np.ndarray, s: SeqSampler) -> int:
-    """Mirostat 1 and 2: truncate by surprise against the running target ``mu``, draw, then move ``mu``."""
-    x = row.astype(np.float64) / max(s.temperature, 1e-6)
-    order = np.argsort(-x, kind="stable")
-    probs = _softmax_rows(x[order][None, :])[0]
-    if s.mirostat == 1:
-        m = min(100, len(probs) - 1)
-        t = np.log((np.arange(m) + 2) / (np.arange(m) + 1))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            b = np.log(probs[:m] / probs[1:m + 1])
-        b = np.where(np.isfinite(b), b, 0.0)
-        s_hat = float((t * b).sum() / (t * t).sum()) if m > 0 else 1.0
-        eps = s_hat - 1.0
-        n = len(probs)
-        try:
-            k = int(((eps * 2 ** s.mu) / (1 - n ** -eps)) ** (1 / s_hat)) if eps != 0 else n
-        except (OverflowError, ZeroDivisionError, ValueError):
-            k = n
-        k = max(1, min(k, n))
-        kept = probs[:k]
-    else:
-        surprise = -np.log2(np.maximum(probs, 1e-300))
-        k = max(1, int((surprise <= s.mu).sum()))
-        kept = probs[:k]
-    kept = kept / kept.sum()
-    c = int((np.cumsum(kept) > s.rng.random()).argmax())
-    observed = -math.log2(max(float(kept[c]), 1e-300))
-    s.mu -= s.mirostat_eta * (observed - s.mirostat_tau)
-    return int(order[c])
 
 
 def logprobs(row: np.ndarray, token: int, top: int) -> dict[str, Any]:

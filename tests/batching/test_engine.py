@@ -32,8 +32,13 @@ def batched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     tmp = tmp_path_factory.mktemp("batch")
     d = start_daemon(tmp / "models", tmp / "daemon.log", {"CORRAL_NUM_PARALLEL": "4"})
     tiny = write_tiny_gguf(tmp / "endless.gguf", context_length=4096, never_ends=True)
-    create(d, "endless", tiny, template="{{ .Prompt }}",
-           parameters={"temperature": 0, "repeat_penalty": 1.0, "num_ctx": 64})
+    create(
+        d,
+        "endless",
+        tiny,
+        template="{{ .Prompt }}",
+        parameters={"temperature": 0, "repeat_penalty": 1.0, "num_ctx": 64},
+    )
     if SMOL is not None:
         create(d, "smol", SMOL, parameters={"num_ctx": 2048})
     try:
@@ -50,8 +55,12 @@ def cached(d: Daemon, model: str = "smol:latest") -> float:
 
 
 def gen(d: Daemon, model: str, prompt: str, **options: object) -> dict[str, object]:
-    body: dict[str, object] = {"model": model, "prompt": prompt, "stream": False,
-                               "options": {"temperature": 0, "seed": 1, **options}}
+    body: dict[str, object] = {
+        "model": model,
+        "prompt": prompt,
+        "stream": False,
+        "options": {"temperature": 0, "seed": 1, **options},
+    }
     fmt = options.pop("format", None)
     if fmt is not None:
         body["format"] = fmt
@@ -77,7 +86,7 @@ def test_eight_concurrent_greedy_requests_match_alone(batched: Daemon) -> None:
     alone = [gen(batched, "smol", p, **dict(o)) for p, o in cases]
     with cf.ThreadPoolExecutor(8) as ex:
         together = list(ex.map(lambda c: gen(batched, "smol", c[0], **dict(c[1])), cases))
-    for (prompt, _), a, t in zip(cases, alone, together):
+    for (prompt, _), a, t in zip(cases, alone, together, strict=True):
         assert t["response"] == a["response"], prompt
         assert t["eval_count"] == a["eval_count"] and t["done_reason"] == a["done_reason"]
     assert "3." not in str(together[1]["response"])
@@ -101,16 +110,24 @@ def test_a_conversation_that_lost_its_slot_comes_back_from_ram(batched: Daemon) 
     history += [{"role": "user", "content": f"Shelf {i} holds {i * 3} books about birds."} for i in range(15)]
 
     def ask(messages: list[dict[str, str]], n: int = 12) -> dict[str, object]:
-        r = httpx.post(batched.url + "/api/chat", json={
-            "model": "smol", "messages": messages, "stream": False,
-            "options": {"temperature": 0, "num_predict": n}}, timeout=300)
+        r = httpx.post(
+            batched.url + "/api/chat",
+            json={
+                "model": "smol",
+                "messages": messages,
+                "stream": False,
+                "options": {"temperature": 0, "num_predict": n},
+            },
+            timeout=300,
+        )
         r.raise_for_status()
         return r.json()  # type: ignore[no-any-return]
 
     first = ask(history)
     assert first["prompt_eval_count"] > 300  # type: ignore[operator]
-    others = [[{"role": "user", "content": f"Story {k}: " + "a long winding road through hills. " * 20}]
-              for k in range(4)]
+    others = [
+        [{"role": "user", "content": f"Story {k}: " + "a long winding road through hills. " * 20}] for k in range(4)
+    ]
     with cf.ThreadPoolExecutor(4) as ex:
         list(ex.map(lambda m: ask(m, 24), others))
     ps = httpx.get(batched.url + "/api/ps").json()["models"]
@@ -138,18 +155,32 @@ def test_a_shared_system_prompt_is_copied_from_a_busy_slot(batched: Daemon) -> N
     system = {"role": "system", "content": "You answer questions about the Lighthouse Museum. " * 25}
 
     def ask(question: str, n: int) -> dict[str, object]:
-        r = httpx.post(batched.url + "/api/chat", json={
-            "model": "smol", "messages": [system, {"role": "user", "content": question}], "stream": False,
-            "options": {"temperature": 0, "num_predict": n}}, timeout=300)
+        r = httpx.post(
+            batched.url + "/api/chat",
+            json={
+                "model": "smol",
+                "messages": [system, {"role": "user", "content": question}],
+                "stream": False,
+                "options": {"temperature": 0, "num_predict": n},
+            },
+            timeout=300,
+        )
         r.raise_for_status()
         return r.json()  # type: ignore[no-any-return]
 
     started = threading.Event()
 
     def long_answer() -> None:
-        with httpx.stream("POST", batched.url + "/api/chat", json={
-                "model": "smol", "messages": [system, {"role": "user", "content": "Tell me its whole history."}],
-                "options": {"temperature": 0, "num_predict": 400, "stop": ["@@never@@"]}}, timeout=300) as r:
+        with httpx.stream(
+            "POST",
+            batched.url + "/api/chat",
+            json={
+                "model": "smol",
+                "messages": [system, {"role": "user", "content": "Tell me its whole history."}],
+                "options": {"temperature": 0, "num_predict": 400, "stop": ["@@never@@"]},
+            },
+            timeout=300,
+        ) as r:
             for line in r.iter_lines():
                 if json.loads(line).get("message", {}).get("content"):
                     started.set()
@@ -174,14 +205,18 @@ def test_a_shared_system_prompt_is_copied_from_a_busy_slot(batched: Daemon) -> N
 def test_second_turn_reuses_the_cached_history(batched: Daemon) -> None:
     history = [{"role": "system", "content": "You are a helpful assistant. " * 40}]
     history += [{"role": "user", "content": f"Remember the number {i}."} for i in range(20)]
-    first = httpx.post(batched.url + "/api/chat", json={
-        "model": "smol", "messages": history, "stream": False,
-        "options": {"temperature": 0, "num_predict": 8}}, timeout=300).json()
+    first = httpx.post(
+        batched.url + "/api/chat",
+        json={"model": "smol", "messages": history, "stream": False, "options": {"temperature": 0, "num_predict": 8}},
+        timeout=300,
+    ).json()
     history += [first["message"], {"role": "user", "content": "Which numbers did I say?"}]
     before = cached(batched)
-    second = httpx.post(batched.url + "/api/chat", json={
-        "model": "smol", "messages": history, "stream": False,
-        "options": {"temperature": 0, "num_predict": 8}}, timeout=300).json()
+    second = httpx.post(
+        batched.url + "/api/chat",
+        json={"model": "smol", "messages": history, "stream": False, "options": {"temperature": 0, "num_predict": 8}},
+        timeout=300,
+    ).json()
     assert first["prompt_eval_count"] > 400
     assert second["prompt_eval_count"] > first["prompt_eval_count"]  # Ollama counts every prompt token
     assert cached(batched) - before > second["prompt_eval_count"] - 40  # only the new turn is evaluated
@@ -191,10 +226,19 @@ def test_second_turn_reuses_the_cached_history(batched: Daemon) -> None:
 def test_a_client_that_leaves_frees_its_slot(tmp_path: Path) -> None:
     d = start_daemon(tmp_path / "models", tmp_path / "daemon.log", {"CORRAL_NUM_PARALLEL": "1"})
     try:
-        create(d, "endless", write_tiny_gguf(tmp_path / "e.gguf", context_length=4096, never_ends=True),
-               template="{{ .Prompt }}", parameters={"temperature": 0, "repeat_penalty": 1.0, "num_ctx": 256})
-        with httpx.stream("POST", d.url + "/api/generate", json={"model": "endless", "prompt": "go",
-                                                                 "options": {"num_predict": -1}}, timeout=60) as r:
+        create(
+            d,
+            "endless",
+            write_tiny_gguf(tmp_path / "e.gguf", context_length=4096, never_ends=True),
+            template="{{ .Prompt }}",
+            parameters={"temperature": 0, "repeat_penalty": 1.0, "num_ctx": 256},
+        )
+        with httpx.stream(
+            "POST",
+            d.url + "/api/generate",
+            json={"model": "endless", "prompt": "go", "options": {"num_predict": -1}},
+            timeout=60,
+        ) as r:
             for n, _ in enumerate(r.iter_lines()):
                 if n > 20:
                     break
@@ -209,8 +253,17 @@ def test_a_full_context_shifts_instead_of_stopping(batched: Daemon) -> None:
     out = gen(batched, "endless", "go", num_predict=200)  # num_ctx is 64
     assert out["eval_count"] == 200 and out["done_reason"] == "length"
     with pytest.raises(httpx.HTTPStatusError) as info:
-        httpx.post(batched.url + "/api/generate", json={
-            "model": "endless", "prompt": "a " * 100, "stream": False, "truncate": False, "shift": False,
-            "options": {"num_predict": 5}}, timeout=60).raise_for_status()
+        httpx.post(
+            batched.url + "/api/generate",
+            json={
+                "model": "endless",
+                "prompt": "a " * 100,
+                "stream": False,
+                "truncate": False,
+                "shift": False,
+                "options": {"num_predict": 5},
+            },
+            timeout=60,
+        ).raise_for_status()
     assert info.value.response.status_code == 400
     assert "longer than the context length" in info.value.response.json()["error"]

@@ -33,7 +33,8 @@ def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch() -> None:
 def test_top_k_one_is_greedy_and_top_k_bounds_the_choice() -> None:
     x = rows(1, seed=5)
     assert sample_rows(x.copy(), [SeqSampler(temperature=5.0, top_k=1, repeat_penalty=1.0)], [[]]) == [
-        int(np.argmax(x[0]))]
+        int(np.argmax(x[0]))
+    ]
     top5 = set(np.argsort(-x[0])[:5].tolist())
     s = SeqSampler(temperature=3.0, top_k=5, top_p=1.0, repeat_penalty=1.0, rng=np.random.default_rng(1))
     assert all(sample_rows(x.copy(), [s], [[]])[0] in top5 for _ in range(200))
@@ -59,15 +60,8 @@ def test_penalties_follow_llama_cpp() -> None:
     assert sample_rows(x, [s], [[0, 0]]) == [1]  # the repeated token loses its lead
 
 
-def test_mirostat_and_typical_sample_valid_tokens() -> None:
+def test_typical_samples_valid_tokens() -> None:
     x = rows(2, seed=9)
-    for mode in (1, 2):
-        s = SeqSampler(temperature=0.8, mirostat=mode, repeat_penalty=1.0, rng=np.random.default_rng(2))
-        s.mu = 2 * s.mirostat_tau
-        for _ in range(20):
-            tok = sample_rows(x[:1].copy(), [s], [[]])[0]
-            assert 0 <= tok < 1000
-        assert s.mu != 2 * s.mirostat_tau  # it learns
     t = SeqSampler(temperature=1.0, typical_p=0.5, repeat_penalty=1.0, rng=np.random.default_rng(3))
     assert 0 <= sample_rows(x[1:].copy(), [t], [[]])[0] < 1000
 
@@ -92,17 +86,20 @@ def reference_distribution(row: np.ndarray, s: SeqSampler) -> dict[int, float]:
     keep = ((cum - p) < (s.top_p if s.top_p < 1.0 else np.inf)) & (p >= s.min_p * p[0])
     keep[0] = True
     q = np.where(keep, p, 0.0)
-    return {int(t): float(v / q.sum()) for t, v in zip(kept, q) if v > 0}
+    return {int(t): float(v / q.sum()) for t, v in zip(kept, q, strict=True) if v > 0}
 
 
-@pytest.mark.parametrize("params", [
-    {"top_k": 40, "top_p": 0.9},
-    {"top_k": 0, "top_p": 0.9},  # no top-k: the nucleus is looked for among the best 256 first
-    {"top_k": 0, "top_p": 0.999, "temperature": 3.0},  # a nucleus of thousands of tokens: the wider searches
-    {"top_k": 0, "top_p": 1.0, "min_p": 0.05},
-    {"top_k": 0, "top_p": 1.0},  # nothing truncates: drawn from the whole row without sorting
-    {"top_k": 5000, "top_p": 1.0, "temperature": 2.0},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"top_k": 40, "top_p": 0.9},
+        {"top_k": 0, "top_p": 0.9},  # no top-k: the nucleus is looked for among the best 256 first
+        {"top_k": 0, "top_p": 0.999, "temperature": 3.0},  # a nucleus of thousands of tokens: the wider searches
+        {"top_k": 0, "top_p": 1.0, "min_p": 0.05},
+        {"top_k": 0, "top_p": 1.0},  # nothing truncates: drawn from the whole row without sorting
+        {"top_k": 5000, "top_p": 1.0, "temperature": 2.0},
+    ],
+)
 def test_sampled_frequencies_match_the_exact_distribution(params: dict[str, float]) -> None:
     vocab = 6000
     x = rows(1, vocab=vocab, seed=11)
@@ -118,7 +115,11 @@ def test_sampled_frequencies_match_the_exact_distribution(params: dict[str, floa
     # about equal mass when the tokens are too many for 4,000 draws to show each one's share
     ranked = sorted(ref, key=lambda t: -ref[t])
     mass_before = np.cumsum([0.0] + [ref[t] for t in ranked[:-1]])
-    bucket = {t: min(9, int(10 * m)) for t, m in zip(ranked, mass_before)} if len(ref) > 50 else {t: t for t in ref}
+    bucket = (
+        {t: min(9, int(10 * m)) for t, m in zip(ranked, mass_before, strict=True)}
+        if len(ref) > 50
+        else {t: t for t in ref}
+    )
     want: dict[int, float] = {}
     got: dict[int, float] = {}
     for t, p in ref.items():
@@ -144,3 +145,96 @@ def test_top_candidates_are_the_exact_top_k() -> None:
             assert x[r][ids[r]].tolist() == values[r].tolist() and len(set(ids[r].tolist())) == kk
             ties = values[r][:-1] == values[r][1:]
             assert (ids[r][:-1][ties] < ids[r][1:][ties]).all()  # equal values in id order
+
+
+# -- logit_bias ---------------------------------------------------------------------------------------------------
+def biased(pairs: dict[int, float], vocab: int = 1000, **kw: float) -> SeqSampler:
+    from daemon.runners.sampling import bias_arrays, parse_logit_bias
+
+    s = SeqSampler(repeat_penalty=1.0, **kw)  # type: ignore[arg-type]
+    s.bias = bias_arrays(parse_logit_bias({str(k): v for k, v in pairs.items()}), vocab)
+    return s
+
+
+def test_logit_bias_bans_and_forces_including_greedy() -> None:
+    x = rows(3, seed=21)
+    best = np.argmax(x, axis=1).tolist()
+    plain = SeqSampler(temperature=0, repeat_penalty=1.0)
+    ban = biased({best[1]: -100}, temperature=0)
+    force = biased({7: 100}, temperature=0)
+    # a biased row and two plain ones in the same batch: each row gets only its own bias
+    out = sample_rows(x.copy(), [force, ban, plain], [[], [], []])
+    second = int(np.argsort(-x[1])[1])
+    assert out == [7, second, best[2]]
+    # a ban holds whatever the logit and at any temperature; a force at any temperature too
+    y = x.copy()
+    y[0, 5] = 1e6
+    for temp in (0.0, 0.7, 2.0):
+        for top_k in (40, 0):
+            s = biased({5: -100}, temperature=temp, top_k=top_k, top_p=1.0, rng=np.random.default_rng(1))
+            f = biased({11: 100}, temperature=temp, top_k=top_k, top_p=0.9, rng=np.random.default_rng(1))
+            assert all(sample_rows(y[:1].copy(), [s], [[]])[0] != 5 for _ in range(30))
+            assert all(sample_rows(x[:1].copy(), [f], [[]])[0] == 11 for _ in range(30))
+
+
+def test_logit_bias_is_added_before_penalties_and_shifts_the_distribution() -> None:
+    row = np.array([[1.0, 0.0, 0.5, -1.0]], dtype=np.float32)
+    s = biased({1: 2.0, 3: -100.0}, vocab=4, temperature=0)
+    assert sample_rows(row.copy(), [s], [[]]) == [1]  # 0 + 2 beats 1
+    s.repeat_penalty, s.repeat_last_n = 2.0, 64
+    assert sample_rows(row.copy(), [s], [[1]]) == [0]  # (0 + 2) / 2 = 1, and 1 wins the tie by id
+    # at temperature 1 the bias moves probability as exp(bias): a +ln(3) bias on one of two equal tokens gives 3:1
+    two = np.zeros((1, 2), dtype=np.float32)
+    t = biased({0: float(np.log(3.0))}, vocab=2, temperature=1.0, top_k=0, top_p=1.0, rng=np.random.default_rng(4))
+    share = np.mean([sample_rows(two.copy(), [t], [[]])[0] == 0 for _ in range(4000)])
+    assert share == pytest.approx(0.75, abs=0.03)
+
+
+def test_logit_bias_leaves_unbiased_rows_on_the_vectorised_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from daemon.runners import sampling
+
+    calls: list[int] = []
+    real = sampling.apply_bias
+    monkeypatch.setattr(sampling, "apply_bias", lambda row, bias: (calls.append(1), real(row, bias)))
+    x = rows(4, seed=2)
+    greedy = [SeqSampler(temperature=0, repeat_penalty=1.0) for _ in range(4)]
+    assert sample_rows(x.copy(), greedy, [[]] * 4) == np.argmax(x, axis=1).tolist() and not calls
+    assert (
+        sample_rows(x.copy(), [*greedy[:3], biased({0: 1.0}, temperature=0)], [[]] * 4)[:3]
+        == np.argmax(x[:3], axis=1).tolist()
+    )
+    assert calls == [1]  # only the biased row
+
+
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ({"abc": 1}, "token ids"),
+        ({"1.5": 1}, "token ids"),
+        ({"-3": 1}, "negative"),
+        ({"3": 1000}, "between -100"),
+        ({"3": float("nan")}, "number"),
+        ({"3": "high"}, "number"),
+        ({"3": True}, "number"),
+        ("1:5", "object"),
+        ([[1]], "pairs"),
+        ({str(i): 1 for i in range(1025)}, "at most 1024"),
+    ],
+)
+def test_parse_logit_bias_refuses(value: object, words: str) -> None:
+    from daemon.runners.sampling import parse_logit_bias
+
+    with pytest.raises(ValueError, match=words):
+        parse_logit_bias(value)
+
+
+def test_parse_logit_bias_accepts_both_forms_and_checks_the_vocabulary() -> None:
+    from daemon.runners.sampling import bias_arrays, parse_logit_bias
+
+    assert parse_logit_bias({"9": -100, "2": 1.5, " 4": 0}) == ((2, 1.5), (4, 0.0), (9, -100.0))
+    assert parse_logit_bias([[9, -100], [2, 1.5], [4, 0]]) == ((2, 1.5), (4, 0.0), (9, -100.0))
+    assert parse_logit_bias(None) == () and bias_arrays((), 10) is None
+    ids, values = bias_arrays([[2, 1.5], [9, -100]], 10)  # type: ignore[misc]
+    assert ids.tolist() == [2, 9] and values[0] == 1.5 and values[1] == -np.inf
+    with pytest.raises(ValueError, match="ids 0 to 9"):
+        bias_arrays([[10, 1.0]], 10)

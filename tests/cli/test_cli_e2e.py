@@ -31,8 +31,9 @@ test license"""
 
 def cli_in(daemon: Daemon, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """Run the CLI against ``daemon`` from another working directory."""
-    return subprocess.run([sys.executable, "-m", "cli", *args], env=daemon.env, cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "cli", *args], env=daemon.env, cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 def ok(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
@@ -78,14 +79,23 @@ def test_create_list_show_copy_remove(daemon: Daemon, modelfile: Path, tiny_gguf
 
     assert ok(daemon.cli("show", "mario", "--system")).stdout == "You are a terse assistant.\n"
     assert ok(daemon.cli("show", "mario", "--template")).stdout == (
-        "{{ if .System }}<|system|>{{ .System }}{{ end }}<|user|>{{ .Prompt }}<|assistant|>\n")
+        "{{ if .System }}<|system|>{{ .System }}{{ end }}<|user|>{{ .Prompt }}<|assistant|>\n"
+    )
     assert ok(daemon.cli("show", "mario", "--license")).stdout == "Apache-2.0\ntest license\n"
     params = [line.split(None, 1) for line in ok(daemon.cli("show", "mario", "--parameters")).stdout.splitlines()]
-    assert sorted(params) == sorted([["num_ctx", "256"], ["stop", '"<|user|>"'], ["stop", '"<|end|>"'],
-                                     ["temperature", "0.2"]])
+    assert sorted(params) == sorted(
+        [["num_ctx", "256"], ["stop", '"<|user|>"'], ["stop", '"<|end|>"'], ["temperature", "0.2"]]
+    )
     mf = ok(daemon.cli("show", "mario", "--modelfile")).stdout
-    for needle in ("FROM ", "You are a terse assistant.", "PARAMETER num_ctx 256", "PARAMETER temperature 0.2",
-                   "MESSAGE user Hello", "MESSAGE assistant Hi there", "Apache-2.0"):
+    for needle in (
+        "FROM ",
+        "You are a terse assistant.",
+        "PARAMETER num_ctx 256",
+        "PARAMETER temperature 0.2",
+        "MESSAGE user Hello",
+        "MESSAGE assistant Hi there",
+        "Apache-2.0",
+    ):
         assert needle in mf
 
     summary = ok(daemon.cli("show", "mario")).stdout
@@ -139,7 +149,10 @@ def test_malformed_modelfile_changes_nothing(daemon: Daemon, tiny_gguf: Path) ->
 def test_missing_model_errors(daemon: Daemon) -> None:
     shown = daemon.cli("show", "nope")
     assert shown.returncode == 1
-    assert shown.stderr.splitlines() == ["Error: model 'nope' not found", 'run "corral list" to see the models you have']
+    assert shown.stderr.splitlines() == [
+        "Error: model 'nope' not found",
+        'run "corral list" to see the models you have',
+    ]
     removed = daemon.cli("rm", "nope")
     assert removed.returncode == 1
     assert removed.stderr.splitlines()[0] == "Error: model 'nope' not found"
@@ -152,7 +165,8 @@ def test_list_without_a_daemon() -> None:
         host = f"127.0.0.1:{s.getsockname()[1]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
     env.update({"CORRAL_HOST": host, "PYTHONPATH": str(REPO)})
-    result = subprocess.run([sys.executable, "-m", "cli", "list"], env=env,
-                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "cli", "list"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 1
     assert result.stderr == f'Error: could not connect to corral at {host}\nis "corral serve" running?\n'

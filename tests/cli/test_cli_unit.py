@@ -8,7 +8,7 @@ import os
 import socket
 import subprocess
 import sys
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
@@ -47,8 +47,9 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     base = {k: v for k, v in os.environ.items() if not k.startswith(("CORRAL_", "OLLAMA_"))}
     base.update({"PYTHONPATH": str(REPO), "NO_COLOR": "1", "COLUMNS": "120"})
     base.update(env or {})
-    return subprocess.run([sys.executable, "-m", "cli", *args], env=base, cwd=REPO, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "cli", *args], env=base, cwd=REPO, capture_output=True, text=True, timeout=60
+    )
 
 
 @pytest.fixture
@@ -62,10 +63,17 @@ def no_daemon(monkeypatch: pytest.MonkeyPatch) -> str:
 
 # -- import boundary -------------------------------------------------------------------------------------------
 def test_cli_imports_no_server_stack() -> None:
-    code = ("import cli.main, sys; assert 'fastapi' not in sys.modules and 'llama_cpp' not in sys.modules "
-            "and 'uvicorn' not in sys.modules")
-    result = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
-                            capture_output=True, text=True, timeout=60)
+    code = (
+        "import cli.main, sys; assert 'fastapi' not in sys.modules and 'llama_cpp' not in sys.modules "
+        "and 'uvicorn' not in sys.modules"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -125,8 +133,8 @@ def test_render_error_uses_http_status() -> None:
 def test_errors_that_need_no_daemon(no_daemon: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["show", "x", "--system", "--license"]) == 1
     assert capsys.readouterr().err == (
-        "Error: only one of '--license', '--modelfile', '--parameters', '--system', or '--template' can be "
-        "specified\n")
+        "Error: only one of '--license', '--modelfile', '--parameters', '--system', or '--template' can be specified\n"
+    )
     assert main(["create", "bad name!"]) == 1
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "Error: invalid model name: bad name!"
@@ -183,7 +191,7 @@ def test_error_bodies_become_exceptions(status: int, body: object, kind: type, m
     with scripted(handler) as client, pytest.raises(kind) as info:
         client.show("x")
     assert str(info.value) == message
-    assert info.value.status == status  # type: ignore[attr-defined]
+    assert info.value.status == status
 
 
 def test_stream_yields_objects_and_raises_on_error_line() -> None:
@@ -226,14 +234,23 @@ def test_blob_head_then_streamed_upload(tmp_path: Path) -> None:
 # -- formatting ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("n", "text"),
-    [(0, "0 B"), (999, "999 B"), (1000, "1 KB"), (1500, "1.5 KB"), (980_000_000, "980 MB"),
-     (4_661_224_676, "4.7 GB"), (4_000_000_000, "4 GB"), (12_345_678_901, "12 GB"), (2_500_000_000_000, "2.5 TB")],
+    [
+        (0, "0 B"),
+        (999, "999 B"),
+        (1000, "1 KB"),
+        (1500, "1.5 KB"),
+        (980_000_000, "980 MB"),
+        (4_661_224_676, "4.7 GB"),
+        (4_000_000_000, "4 GB"),
+        (12_345_678_901, "12 GB"),
+        (2_500_000_000_000, "2.5 TB"),
+    ],
 )
 def test_format_size(n: int, text: str) -> None:
     assert output.format_size(n) == text
 
 
-NOW = datetime(2025, 6, 1, 12, 0, 0, tzinfo=timezone.utc)
+NOW = datetime(2025, 6, 1, 12, 0, 0, tzinfo=UTC)
 
 
 @pytest.mark.parametrize(
@@ -286,8 +303,12 @@ def test_list_rows_filter_by_prefix() -> None:
 
 def test_show_summary_sections() -> None:
     info = {
-        "model_info": {"general.architecture": "llama", "general.parameter_count": 134_515_008,
-                       "llama.context_length": 8192, "llama.embedding_length": 576},
+        "model_info": {
+            "general.architecture": "llama",
+            "general.parameter_count": 134_515_008,
+            "llama.context_length": 8192,
+            "llama.embedding_length": 576,
+        },
         "details": {"quantization_level": "Q8_0", "parameter_size": ""},
         "capabilities": ["completion"],
         "parameters": 'num_ctx                        256\nstop                           "<|user|>"',

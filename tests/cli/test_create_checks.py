@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
+import cli.modelfile_files as files
 from cli.commands.create import build_request
 from cli.errors import LocalFileError
-import cli.modelfile_files as files
 from cli.modelfile_files import ModelfileSource
 from registry.digest import Digest
 from tests.conftest import Daemon
@@ -54,8 +54,9 @@ def test_from_etc_passwd_is_refused_before_any_upload(tmp_path: Path) -> None:
         pytest.skip("no /etc/passwd here")
     client, result = request_for("FROM /etc/passwd\n", tmp_path)
     assert isinstance(result, LocalFileError)
-    assert str(result) == ("/etc/passwd is not a GGUF model file (it does not start with the GGUF magic); "
-                           f"{NOT_GGUF_HINT}")
+    assert str(result) == (
+        f"/etc/passwd is not a GGUF model file (it does not start with the GGUF magic); {NOT_GGUF_HINT}"
+    )
     assert client.checked == [] and client.uploaded == []
 
 
@@ -72,14 +73,17 @@ def test_a_good_file_is_still_uploaded(tmp_path: Path) -> None:
     assert client.uploaded == [tmp_path / "w.gguf", tmp_path / "linked.gguf"]
 
 
-@pytest.mark.parametrize(("content", "words"), [
-    (b"", "it does not start with the GGUF magic"),
-    (b"GGU", "it does not start with the GGUF magic"),
-    (b"PK\x03\x04 a zip file" + b"\x00" * 32, "it does not start with the GGUF magic"),
-    (b"GGUF\x03", "it ends before the GGUF version"),
-    (b"GGUF" + struct.pack("<I", 99) + b"\x00" * 16, "GGUF version 99; corral reads versions 2 and 3"),
-    (b"GGUF" + struct.pack(">I", 3) + b"\x00" * 16, "big-endian"),
-])
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        (b"", "it does not start with the GGUF magic"),
+        (b"GGU", "it does not start with the GGUF magic"),
+        (b"PK\x03\x04 a zip file" + b"\x00" * 32, "it does not start with the GGUF magic"),
+        (b"GGUF\x03", "it ends before the GGUF version"),
+        (b"GGUF" + struct.pack("<I", 99) + b"\x00" * 16, "GGUF version 99; corral reads versions 2 and 3"),
+        (b"GGUF" + struct.pack(">I", 3) + b"\x00" * 16, "big-endian"),
+    ],
+)
 def test_files_that_are_not_gguf(tmp_path: Path, content: bytes, words: str) -> None:
     bad = tmp_path / "model.gguf"
     bad.write_bytes(content)
@@ -133,8 +137,10 @@ def test_every_file_is_checked_before_the_first_upload(tmp_path: Path) -> None:
     (tmp_path / "lora.txt").write_text("hello")
     client, result = request_for("FROM ./ok.gguf\nADAPTER ./lora.txt\n", tmp_path)
     assert isinstance(result, LocalFileError)
-    assert str(result) == (f"{tmp_path / 'lora.txt'} is not a GGUF model file (it does not start with the GGUF "
-                           "magic); ADAPTER takes a .gguf file or a directory of them")
+    assert str(result) == (
+        f"{tmp_path / 'lora.txt'} is not a GGUF model file (it does not start with the GGUF "
+        "magic); ADAPTER takes a .gguf file or a directory of them"
+    )
     assert client.checked == [] and client.uploaded == []
 
 

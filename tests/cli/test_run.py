@@ -11,8 +11,7 @@ import select
 import sys
 import time
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
-from pathlib import Path
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
@@ -43,8 +42,16 @@ def test_go_duration() -> None:
 
 
 def test_stats_lines() -> None:
-    lines = stats_lines({"total_duration": 2_000_000_000, "load_duration": 1_000_000, "prompt_eval_count": 10,
-                         "prompt_eval_duration": 500_000_000, "eval_count": 20, "eval_duration": 1_000_000_000})
+    lines = stats_lines(
+        {
+            "total_duration": 2_000_000_000,
+            "load_duration": 1_000_000,
+            "prompt_eval_count": 10,
+            "prompt_eval_duration": 500_000_000,
+            "eval_count": 20,
+            "eval_duration": 1_000_000_000,
+        }
+    )
     assert lines[0] == "total duration:       2s"
     assert "prompt eval rate:     20.00 tokens/s" in lines
     assert lines[-1] == "eval rate:            20.00 tokens/s"
@@ -65,12 +72,23 @@ def test_processor_and_until() -> None:
     assert processor(100, 0) == "100% CPU"
     assert processor(100, 100) == "100% GPU"
     assert processor(100, 52) == "48%/52% CPU/GPU"
-    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    now = datetime(2026, 1, 1, tzinfo=UTC)
     assert until((now + timedelta(minutes=4, seconds=30)).isoformat(), now) == "4 minutes from now"
     assert until((now - timedelta(seconds=1)).isoformat(), now) == "Stopping..."
     assert until("2318-01-01T00:00:00Z", now) == "Forever"
-    row = rows([{"name": "a:latest", "digest": "sha256:" + "ab" * 32, "size": 223_000_000, "size_vram": 0,
-                 "context_length": 1024, "expires_at": (now + timedelta(minutes=5)).isoformat()}], now=now)[0]
+    row = rows(
+        [
+            {
+                "name": "a:latest",
+                "digest": "sha256:" + "ab" * 32,
+                "size": 223_000_000,
+                "size_vram": 0,
+                "context_length": 1024,
+                "expires_at": (now + timedelta(minutes=5)).isoformat(),
+            }
+        ],
+        now=now,
+    )[0]
     assert row == ("a:latest", "ab" * 6, "223 MB", "100% CPU", "1024", "5 minutes from now")
 
 
@@ -84,13 +102,17 @@ def test_think_values() -> None:
 
 def test_printer_thinking_and_tool_calls() -> None:
     out, err = io.StringIO(), io.StringIO()
-    chunks = iter([
-        {"message": {"thinking": "hmm"}, "done": False},
-        {"message": {"content": "Hi"}, "done": False},
-        {"message": {"content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]},
-         "done": False},
-        {"message": {"content": ""}, "done": True, "eval_count": 1, "eval_duration": 1_000_000},
-    ])
+    chunks = iter(
+        [
+            {"message": {"thinking": "hmm"}, "done": False},
+            {"message": {"content": "Hi"}, "done": False},
+            {
+                "message": {"content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]},
+                "done": False,
+            },
+            {"message": {"content": ""}, "done": True, "eval_count": 1, "eval_duration": 1_000_000},
+        ]
+    )
     ans = Printer(out=out, err=err, verbose=True).stream(chunks, key="message")
     text = out.getvalue()
     assert text.startswith("Thinking...\nhmm\n...done thinking.\n\nHi")
@@ -98,7 +120,8 @@ def test_printer_thinking_and_tool_calls() -> None:
     assert ans.content == "Hi" and ans.thinking == "hmm" and "eval count:           1 token(s)" in err.getvalue()
     hidden = io.StringIO()
     Printer(out=hidden, err=io.StringIO(), hide_thinking=True).stream(
-        iter([{"message": {"thinking": "secret"}}, {"message": {"content": "ok"}, "done": True}]), key="message")
+        iter([{"message": {"thinking": "secret"}}, {"message": {"content": "ok"}, "done": True}]), key="message"
+    )
     assert "secret" not in hidden.getvalue() and "ok" in hidden.getvalue()
 
 
@@ -108,14 +131,18 @@ def daemon_with_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dae
     tmp = tmp_path_factory.mktemp("run")
     d = start_daemon(tmp / "models", tmp / "daemon.log", {"CORRAL_HISTORY": str(tmp / "history")})
     tiny = write_tiny_gguf(tmp / "tiny.gguf", context_length=8192, never_ends=True)
-    (tmp / "Tinyfile").write_text(f"FROM {tiny}\nPARAMETER num_ctx 8192\nPARAMETER num_predict 100000\n"
-                                  "PARAMETER temperature 0\nPARAMETER repeat_penalty 1\n"
-                                  'TEMPLATE "{{ .Prompt }}"\n')
+    (tmp / "Tinyfile").write_text(
+        f"FROM {tiny}\nPARAMETER num_ctx 8192\nPARAMETER num_predict 100000\n"
+        "PARAMETER temperature 0\nPARAMETER repeat_penalty 1\n"
+        'TEMPLATE "{{ .Prompt }}"\n'
+    )
     assert d.cli("create", "tiny", "-f", str(tmp / "Tinyfile")).returncode == 0
     if SMOL is not None:
-        (tmp / "Smolfile").write_text(f"FROM {SMOL}\nPARAMETER temperature 0\nPARAMETER num_ctx 1024\n"
-                                      "PARAMETER num_predict 160\nSYSTEM Answer in one short sentence.\n"
-                                      "MESSAGE user Hi!\nMESSAGE assistant Hello! How can I help?\n")
+        (tmp / "Smolfile").write_text(
+            f"FROM {SMOL}\nPARAMETER temperature 0\nPARAMETER num_ctx 1024\n"
+            "PARAMETER num_predict 160\nSYSTEM Answer in one short sentence.\n"
+            "MESSAGE user Hi!\nMESSAGE assistant Hello! How can I help?\n"
+        )
         r = d.cli("create", "smol", "-f", str(tmp / "Smolfile"))
         assert r.returncode == 0, r.stderr
     try:
@@ -133,8 +160,11 @@ def ok(r: object) -> object:
 def test_run_prompt_matches_the_api_and_prints_stats(daemon_with_models: Daemon) -> None:
     d = daemon_with_models
     r = ok(d.cli("run", "smol", "What", "is", "the", "capital", "of", "France?", "--verbose"))
-    api = httpx.post(d.url + "/api/generate", json={"model": "smol", "prompt": "What is the capital of France?",
-                                                    "stream": False}, timeout=120).json()
+    api = httpx.post(
+        d.url + "/api/generate",
+        json={"model": "smol", "prompt": "What is the capital of France?", "stream": False},
+        timeout=120,
+    ).json()
     assert r.stdout.strip() == api["response"].strip() and "Paris" in r.stdout  # type: ignore[attr-defined]
     assert r.stdout.endswith("\n\n")  # type: ignore[attr-defined]
     for label in ("total duration:", "load duration:", "prompt eval count:", "eval count:", "eval rate:"):
@@ -145,15 +175,21 @@ def test_run_prompt_matches_the_api_and_prints_stats(daemon_with_models: Daemon)
 def test_run_reads_piped_stdin_before_the_prompt(daemon_with_models: Daemon) -> None:
     d = daemon_with_models
     r = ok(d.cli("run", "smol", "Answer:", input="Name the largest planet in the solar system."))
-    api = httpx.post(d.url + "/api/generate", json={
-        "model": "smol", "prompt": "Name the largest planet in the solar system. Answer:", "stream": False},
-        timeout=120).json()
+    api = httpx.post(
+        d.url + "/api/generate",
+        json={"model": "smol", "prompt": "Name the largest planet in the solar system. Answer:", "stream": False},
+        timeout=120,
+    ).json()
     assert r.stdout.strip() == api["response"].strip()  # type: ignore[attr-defined]
 
 
 @needs_smol
 def test_run_format_json(daemon_with_models: Daemon) -> None:
-    r = ok(daemon_with_models.cli("run", "smol", "--format", "json", 'Give me a JSON object with two keys, "name" and "color", for a cat.'))
+    r = ok(
+        daemon_with_models.cli(
+            "run", "smol", "--format", "json", 'Give me a JSON object with two keys, "name" and "color", for a cat.'
+        )
+    )
     assert isinstance(json.loads(r.stdout), dict)  # type: ignore[attr-defined]
     bad = daemon_with_models.cli("run", "smol", "--format", "xml", "hi")
     assert bad.returncode == 1 and 'invalid format "xml"' in bad.stderr
@@ -218,31 +254,38 @@ def test_repl_commands_and_history(daemon_with_models: Daemon, monkeypatch: pyte
     monkeypatch.setattr(client, "stream", spy)
     out = io.StringIO()
     session = Session(model="smol", info=client.show("smol"))
-    Repl(client, session, read=scripted([  # type: ignore[arg-type]
-        "/?",
-        "/set parameter seed 7",
-        "/set parameter stop a b",
-        "/set parameter bogus 1",
-        "/set parameter temperature hot",
-        "/set system You are a pirate.",
-        "What is 2+2?",
-        '"""Tell me',
-        'a joke"""',
-        "/show parameters",
-        "/show system",
-        "/show info",
-        "/set format json",
-        "/set noformat",
-        "/set verbose",
-        "/set quiet",
-        "/frobnicate",
-        "/load no-such-model",
-        "/save bad name!",
-        "/save smol-pirate",
-        "/clear",
-        "/bye",
-        "never sent",
-    ]), out=out).run()
+    Repl(
+        client,
+        session,
+        read=scripted(
+            [  # type: ignore[arg-type]
+                "/?",
+                "/set parameter seed 7",
+                "/set parameter stop a b",
+                "/set parameter bogus 1",
+                "/set parameter temperature hot",
+                "/set system You are a pirate.",
+                "What is 2+2?",
+                '"""Tell me',
+                'a joke"""',
+                "/show parameters",
+                "/show system",
+                "/show info",
+                "/set format json",
+                "/set noformat",
+                "/set verbose",
+                "/set quiet",
+                "/frobnicate",
+                "/load no-such-model",
+                "/save bad name!",
+                "/save smol-pirate",
+                "/clear",
+                "/bye",
+                "never sent",
+            ]
+        ),
+        out=out,
+    ).run()
     text = out.getvalue()
     assert text.startswith(">>> Hi!\nHello! How can I help?\n")  # the model's MESSAGE history
     assert "Available Commands:" in text
@@ -256,8 +299,10 @@ def test_repl_commands_and_history(daemon_with_models: Daemon, monkeypatch: pyte
     assert "error: The model name 'bad' is invalid" in text or "Usage:" in text
     assert "Created new model 'smol-pirate'" in text and "Cleared session context" in text
     assert len(sent) == 2
-    assert sent[0]["messages"] == [{"role": "system", "content": "You are a pirate."},
-                                   {"role": "user", "content": "What is 2+2?"}]
+    assert sent[0]["messages"] == [
+        {"role": "system", "content": "You are a pirate."},
+        {"role": "user", "content": "What is 2+2?"},
+    ]
     assert sent[0]["options"] == {"seed": 7, "stop": ["a", "b"]}
     second = sent[1]["messages"]
     assert [m["role"] for m in second] == ["system", "user", "assistant", "user"]  # type: ignore[index]

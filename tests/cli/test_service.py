@@ -18,9 +18,17 @@ PACKAGING = REPO / "packaging"
 
 def test_unit_hardening_and_restart() -> None:
     text = units.system_unit("/opt/corral/venv/bin/corral")
-    for line in ["User=corral", "Restart=always", "NoNewPrivileges=true", "ProtectSystem=strict",
-                 "ReadWritePaths=/var/lib/corral", "PrivateTmp=true", f"EnvironmentFile=-{units.SYSTEM_ENV_FILE}",
-                 "ExecStart=/opt/corral/venv/bin/corral serve", "Environment=CORRAL_MODELS=/var/lib/corral/models"]:
+    for line in [
+        "User=corral",
+        "Restart=always",
+        "NoNewPrivileges=true",
+        "ProtectSystem=strict",
+        "ReadWritePaths=/var/lib/corral",
+        "PrivateTmp=true",
+        f"EnvironmentFile=-{units.SYSTEM_ENV_FILE}",
+        "ExecStart=/opt/corral/venv/bin/corral serve",
+        "Environment=CORRAL_MODELS=/var/lib/corral/models",
+    ]:
         assert line in text.splitlines()
 
 
@@ -41,8 +49,13 @@ def test_plist() -> None:
 
 def test_install_user_dry_run(tmp_path: Path) -> None:
     env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, "-m", "cli", "service", "install", "--user", "--dry-run"], env=env,
-                       cwd=REPO, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "cli", "service", "install", "--user", "--dry-run"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     assert f"# would write {tmp_path}/.config/systemd/user/corral.service" in r.stdout
     assert "ExecStart=" in r.stdout and " serve" in r.stdout
@@ -54,7 +67,8 @@ def test_install_without_systemd_says_what_to_do(tmp_path: Path) -> None:
     if Path("/run/systemd/system").is_dir():
         pytest.skip("systemd is running here")
     env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, "-m", "cli", "service", "install", "--user"], env=env, cwd=REPO,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "cli", "service", "install", "--user"], env=env, cwd=REPO, capture_output=True, text=True
+    )
     assert r.returncode == 1 and "corral serve" in r.stderr and "--dry-run" in r.stderr
     assert not (tmp_path / ".config").exists()

@@ -38,8 +38,9 @@ def _executable() -> str:
     return shutil.which("true") or "/bin/true"
 
 
-def _analyze(tmp_path: Path, args: list[str], unit: str, name: str = "corral.service",
-             user: bool = False) -> subprocess.CompletedProcess[str]:
+def _analyze(
+    tmp_path: Path, args: list[str], unit: str, name: str = "corral.service", user: bool = False
+) -> subprocess.CompletedProcess[str]:
     path = tmp_path / name
     path.write_text(unit)
     env = dict(os.environ)
@@ -81,12 +82,15 @@ def test_user_unit_exposure(tmp_path: Path) -> None:
     assert exposure <= 6.0, r.stdout
 
 
-@pytest.mark.parametrize("render,user", [
-    (SYSTEM_VARIANTS["plain"], False),
-    (SYSTEM_VARIANTS["budget+key"], False),
-    (units.user_unit, True),
-    (lambda exe: units.user_unit(exe, memory_max=3 << 30), True),
-])
+@pytest.mark.parametrize(
+    "render,user",
+    [
+        (SYSTEM_VARIANTS["plain"], False),
+        (SYSTEM_VARIANTS["budget+key"], False),
+        (units.user_unit, True),
+        (lambda exe: units.user_unit(exe, memory_max=3 << 30), True),
+    ],
+)
 def test_units_verify(tmp_path: Path, render: Callable[[str], str], user: bool) -> None:
     """verify passes, and says nothing about the unit (an unknown or misspelt key is only a warning there)."""
     r = _analyze(tmp_path, ["verify"], render(_executable()), user=user)
@@ -112,15 +116,35 @@ def _settings(text: str) -> dict[str, list[str]]:
 def test_system_unit_settings() -> None:
     s = _settings(units.system_unit("/opt/corral/venv/bin/corral"))
     for key, value in {
-        "CapabilityBoundingSet": "", "AmbientCapabilities": "", "RestrictNamespaces": "true", "ProtectClock": "true",
-        "ProtectKernelLogs": "true", "ProtectHostname": "true", "ProtectProc": "invisible", "PrivateIPC": "true",
-        "UMask": "0077", "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6 AF_NETLINK",
-        "SystemCallErrorNumber": "EPERM", "PrivateDevices": "false", "DevicePolicy": "closed",
-        "TasksMax": "4096", "LimitNOFILE": "65536", "ProtectSystem": "strict", "ReadWritePaths": "/var/lib/corral",
-        "StateDirectory": "corral", "PrivateTmp": "true", "NoNewPrivileges": "true", "RemoveIPC": "true",
-        "RestrictSUIDSGID": "true", "LockPersonality": "true", "RestrictRealtime": "true",
-        "SystemCallArchitectures": "native", "KeyringMode": "private", "ProtectKernelTunables": "true",
-        "ProtectKernelModules": "true", "ProtectControlGroups": "true",
+        "CapabilityBoundingSet": "",
+        "AmbientCapabilities": "",
+        "RestrictNamespaces": "true",
+        "ProtectClock": "true",
+        "ProtectKernelLogs": "true",
+        "ProtectHostname": "true",
+        "ProtectProc": "invisible",
+        "PrivateIPC": "true",
+        "UMask": "0077",
+        "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6 AF_NETLINK",
+        "SystemCallErrorNumber": "EPERM",
+        "PrivateDevices": "false",
+        "DevicePolicy": "closed",
+        "TasksMax": "4096",
+        "LimitNOFILE": "65536",
+        "ProtectSystem": "strict",
+        "ReadWritePaths": "/var/lib/corral",
+        "StateDirectory": "corral",
+        "PrivateTmp": "true",
+        "NoNewPrivileges": "true",
+        "RemoveIPC": "true",
+        "RestrictSUIDSGID": "true",
+        "LockPersonality": "true",
+        "RestrictRealtime": "true",
+        "SystemCallArchitectures": "native",
+        "KeyringMode": "private",
+        "ProtectKernelTunables": "true",
+        "ProtectKernelModules": "true",
+        "ProtectControlGroups": "true",
     }.items():
         assert s.get(key) == [value], key
     assert "@system-service" in s["SystemCallFilter"]
@@ -144,8 +168,16 @@ def test_user_unit_settings() -> None:
         assert s[key] == ["true"], key
     assert s["UMask"] == ["0077"] and s["SystemCallErrorNumber"] == ["EPERM"]
     # nothing that would hide the user's models or GPUs, or that a user manager cannot apply
-    for absent in ("ProtectSystem", "ProtectHome", "DevicePolicy", "PrivateDevices", "CapabilityBoundingSet",
-                   "ProtectProc", "MemoryDenyWriteExecute", "User"):
+    for absent in (
+        "ProtectSystem",
+        "ProtectHome",
+        "DevicePolicy",
+        "PrivateDevices",
+        "CapabilityBoundingSet",
+        "ProtectProc",
+        "MemoryDenyWriteExecute",
+        "User",
+    ):
         assert absent not in s, absent
 
 
@@ -160,15 +192,21 @@ def test_packaging_is_regenerated() -> None:
     for rel, content in units.packaging_files().items():
         assert (PACKAGING / rel).read_bytes() == content, f"packaging/{rel}: run python -m cli.service_units"
     readme = (PACKAGING / "README.md").read_text()
-    for why in ("MemoryDenyWriteExecute", "PrivateDevices=false", "DevicePolicy=closed", "ProcSubset=pid",
-                "LoadCredential"):
+    for why in (
+        "MemoryDenyWriteExecute",
+        "PrivateDevices=false",
+        "DevicePolicy=closed",
+        "ProcSubset=pid",
+        "LoadCredential",
+    ):
         assert why in readme, why
 
 
 # ---- corral service install: MemoryMax from the budget, the key as a credential ----
 
-linux_only = pytest.mark.skipif(not Path("/proc").is_dir() or os.uname().sysname != "Linux",
-                                reason="the systemd plan is made on Linux")
+linux_only = pytest.mark.skipif(
+    not Path("/proc").is_dir() or os.uname().sysname != "Linux", reason="the systemd plan is made on Linux"
+)
 
 
 def _unit_text(plan: service.Plan) -> str:

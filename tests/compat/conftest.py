@@ -37,8 +37,13 @@ def v1_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     client = ollama.Client(host=d.url)
     digest = client.create_blob(SMOL)
     client.create(model="smol", files={SMOL.name: digest}, parameters={"num_ctx": 2048}, stream=False)
-    client.create(model="smol-tools", files={SMOL.name: digest}, template=TOOLS_TEMPLATE,
-                  parameters={"num_ctx": 2048, "stop": ["<|im_end|>"]}, stream=False)
+    client.create(
+        model="smol-tools",
+        files={SMOL.name: digest},
+        template=TOOLS_TEMPLATE,
+        parameters={"num_ctx": 2048, "stop": ["<|im_end|>"]},
+        stream=False,
+    )
     try:
         yield d
     finally:

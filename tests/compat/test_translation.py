@@ -17,19 +17,36 @@ pytestmark = pytest.mark.anyio
 
 
 def test_openai_messages_translate() -> None:
-    body = {"messages": [
-        {"role": "developer", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Look:"},
-                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "cold"},
-    ]}
+    body = {
+        "messages": [
+            {"role": "developer", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Look:"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "cold"},
+        ]
+    }
     system, user, assistant, tool = oai._messages(body)
     assert system == {"role": "system", "content": "Be brief."}
     assert user == {"role": "user", "content": "Look:", "images": ["AAAA"]}
-    assert assistant["tool_calls"] == [{"id": "call_1", "function": {"name": "get_weather",
-                                                                     "arguments": {"city": "Oslo"}}}]
+    assert assistant["tool_calls"] == [
+        {"id": "call_1", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    ]
     assert tool == {"role": "tool", "content": "cold", "tool_call_id": "call_1", "tool_name": "get_weather"}
 
 
@@ -42,10 +59,26 @@ def test_openai_bad_tool_arguments_are_named() -> None:
 
 def test_openai_options() -> None:
     assert oai._options({}) == {"temperature": 1.0, "top_p": 1.0}
-    opts = oai._options({"temperature": 0, "seed": 7, "max_tokens": 9, "max_completion_tokens": 5, "stop": "\n",
-                         "frequency_penalty": 0.5, "options": {"num_ctx": 512, "top_p": 0.5}})
-    assert opts == {"temperature": 0, "top_p": 0.5, "seed": 7, "num_predict": 5, "stop": ["\n"],
-                    "frequency_penalty": 0.5, "num_ctx": 512}
+    opts = oai._options(
+        {
+            "temperature": 0,
+            "seed": 7,
+            "max_tokens": 9,
+            "max_completion_tokens": 5,
+            "stop": "\n",
+            "frequency_penalty": 0.5,
+            "options": {"num_ctx": 512, "top_p": 0.5},
+        }
+    )
+    assert opts == {
+        "temperature": 0,
+        "top_p": 0.5,
+        "seed": 7,
+        "num_predict": 5,
+        "stop": ["\n"],
+        "frequency_penalty": 0.5,
+        "num_ctx": 512,
+    }
     with pytest.raises(BadParam) as bad:
         oai._options({"seed": 1.5})
     assert bad.value.param == "seed" and "an integer" in str(bad.value)
@@ -56,8 +89,11 @@ def test_openai_tool_choice_forces_a_call_by_schema() -> None:
     other = {"type": "function", "function": {"name": "g"}}
     tools, forced = oai._tools({"tools": [fn, other], "tool_choice": {"type": "function", "function": {"name": "f"}}})
     assert tools == [fn, other]
-    assert forced == {"type": "object", "properties": {"name": {"const": "f"}, "arguments": {"type": "object"}},
-                      "required": ["name", "arguments"]}
+    assert forced == {
+        "type": "object",
+        "properties": {"name": {"const": "f"}, "arguments": {"type": "object"}},
+        "required": ["name", "arguments"],
+    }
     assert len(oai._tools({"tools": [fn, other], "tool_choice": "required"})[1]["anyOf"]) == 2
     assert oai._tools({"tools": [fn], "tool_choice": "none"}) == (None, None)
     assert oai._tools({"tools": [fn]}) == ([fn], None)
@@ -66,11 +102,16 @@ def test_openai_tool_choice_forces_a_call_by_schema() -> None:
 
 
 def test_completion_logprobs_offsets() -> None:
-    entries = [{"token": "He", "logprob": -0.5, "top_logprobs": [{"token": "He", "logprob": -0.5}]},
-               {"token": "llo", "logprob": -1.0}]
+    entries = [
+        {"token": "He", "logprob": -0.5, "top_logprobs": [{"token": "He", "logprob": -0.5}]},
+        {"token": "llo", "logprob": -1.0},
+    ]
     assert oai._completion_logprobs(entries, 3) == {
-        "tokens": ["He", "llo"], "token_logprobs": [-0.5, -1.0], "top_logprobs": [{"He": -0.5}, {}],
-        "text_offset": [3, 5]}
+        "tokens": ["He", "llo"],
+        "token_logprobs": [-0.5, -1.0],
+        "top_logprobs": [{"He": -0.5}, {}],
+        "text_offset": [3, 5],
+    }
 
 
 def test_get_checks_ranges() -> None:
@@ -82,24 +123,46 @@ def test_get_checks_ranges() -> None:
 
 
 def test_anthropic_messages_translate() -> None:
-    body = {"system": [{"type": "text", "text": "Be brief."}], "messages": [
-        {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": [{"type": "text", "text": "Checking."},
-                                          {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
-                                           "input": {"city": "Oslo"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
-                                      "content": [{"type": "text", "text": "cold"}]}]},
-    ]}
+    body = {
+        "system": [{"type": "text", "text": "Be brief."}],
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "Checking."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "cold"}]}
+                ],
+            },
+        ],
+    }
     assert anth._messages(body) == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": "Checking.",
-         "tool_calls": [{"id": "toolu_1", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [{"id": "toolu_1", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}],
+        },
         {"role": "tool", "content": "cold", "tool_call_id": "toolu_1", "tool_name": "get_weather"},
     ]
     with pytest.raises(BadParam) as bad:
-        anth._messages({"messages": [{"role": "assistant", "content": [
-            {"type": "tool_use", "id": "t", "name": "f", "input": "city=Oslo"}]}]})
+        anth._messages(
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "city=Oslo"}],
+                    }
+                ]
+            }
+        )
     assert bad.value.param == "messages[0].content[0].input"
 
 
@@ -134,7 +197,7 @@ async def test_an_error_mid_stream_is_an_error_event_then_done() -> None:
     rest = Chunks()
     out = [f async for f in oai.openai_stream(frames(), rest)]
     assert out[0] == b"data: 1\n\n" and out[-1] == b"data: [DONE]\n\n"
-    assert json.loads(out[1][len(b"data: "):])["error"]["message"] == "runner crashed"
+    assert json.loads(out[1][len(b"data: ") :])["error"]["message"] == "runner crashed"
     assert rest.closed
 
     rest = Chunks()

@@ -25,8 +25,15 @@ SMOL = smollm2_path()
 if SMOL is None:
     pytest.skip("SmolLM2 is not cached (run scripts/fetch_smollm2.py)", allow_module_level=True)
 
-GREEDY = {"temperature": 0, "seed": 42, "num_predict": 24, "num_ctx": 512, "repeat_penalty": 1.0, "top_k": 40,
-          "top_p": 0.9}
+GREEDY = {
+    "temperature": 0,
+    "seed": 42,
+    "num_predict": 24,
+    "num_ctx": 512,
+    "repeat_penalty": 1.0,
+    "top_k": 40,
+    "top_p": 0.9,
+}
 
 
 def create(client: ollama.Client, name: str, gguf: Path, **kw: object) -> None:
@@ -51,8 +58,11 @@ def runner_pids(d: Daemon) -> list[int]:
 
 def test_greedy_equals_in_process(smol_daemon: Daemon) -> None:
     prompt = "The capital of France is"
-    r = httpx.post(smol_daemon.url + "/api/generate", timeout=120, json={
-        "model": "smol", "prompt": prompt, "raw": True, "stream": False, "options": GREEDY})
+    r = httpx.post(
+        smol_daemon.url + "/api/generate",
+        timeout=120,
+        json={"model": "smol", "prompt": prompt, "raw": True, "stream": False, "options": GREEDY},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     # flash attention as the runner has it (llama.cpp's default "auto" turns it on for the CPU; Llama() turns it
@@ -60,7 +70,8 @@ def test_greedy_equals_in_process(smol_daemon: Daemon) -> None:
     # (in a child process, without extra buffer types where they crash: tests/reference.py)
     ref = completion_text(
         dict(model_path=str(SMOL), n_ctx=512, n_batch=512, verbose=False, seed=42, flash_attn=True),
-        dict(prompt=prompt, max_tokens=24, temperature=0, repeat_penalty=1.0, top_k=40, top_p=0.9, seed=42))
+        dict(prompt=prompt, max_tokens=24, temperature=0, repeat_penalty=1.0, top_k=40, top_p=0.9, seed=42),
+    )
     assert body["response"] == ref
     assert body["done"] is True and body["done_reason"] == "length"
     assert body["eval_count"] == 24
@@ -71,8 +82,14 @@ def test_greedy_equals_in_process(smol_daemon: Daemon) -> None:
 
 def test_chat_streams_through_ollama_client(smol_daemon: Daemon) -> None:
     client = ollama.Client(host=smol_daemon.url)
-    parts = list(client.chat(model="smol", messages=[{"role": "user", "content": "Say hello."}], stream=True,
-                             options={"num_predict": 16, "temperature": 0}))
+    parts = list(
+        client.chat(
+            model="smol",
+            messages=[{"role": "user", "content": "Say hello."}],
+            stream=True,
+            options={"num_predict": 16, "temperature": 0},
+        )
+    )
     assert parts[-1].done and parts[-1].done_reason in ("stop", "length")
     assert "".join(p.message.content for p in parts).strip()
     ps = client.ps().models
@@ -82,14 +99,22 @@ def test_chat_streams_through_ollama_client(smol_daemon: Daemon) -> None:
 
 def test_json_format_and_schema(smol_daemon: Daemon) -> None:
     client = ollama.Client(host=smol_daemon.url)
-    r = client.generate(model="smol", prompt="Describe a cat as JSON.", format="json",
-                        options={"num_predict": 48, "temperature": 0})
+    r = client.generate(
+        model="smol", prompt="Describe a cat as JSON.", format="json", options={"num_predict": 48, "temperature": 0}
+    )
     if r.done_reason == "stop":
         json.loads(r.response)
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-              "required": ["name", "age"]}
-    r = client.chat(model="smol", messages=[{"role": "user", "content": "Invent a person."}], format=schema,
-                    options={"num_predict": 64, "temperature": 0})
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    r = client.chat(
+        model="smol",
+        messages=[{"role": "user", "content": "Invent a person."}],
+        format=schema,
+        options={"num_predict": 64, "temperature": 0},
+    )
     data = json.loads(r.message.content)
     assert isinstance(data["name"], str) and isinstance(data["age"], int)
 
@@ -118,8 +143,9 @@ def test_load_unload_and_bad_options(smol_daemon: Daemon) -> None:
         assert h.get("/api/ps").json()["models"] == []
         r = h.post("/api/generate", json={"model": "smol", "prompt": "x", "options": {"temperature": "hot"}})
         assert r.status_code == 400 and "temperature" in r.json()["error"]
-        r = h.post("/api/chat", json={"model": "smol", "messages": [{"role": "user", "content": "x"}],
-                                      "keep_alive": "forever"})
+        r = h.post(
+            "/api/chat", json={"model": "smol", "messages": [{"role": "user", "content": "x"}], "keep_alive": "forever"}
+        )
         assert r.status_code == 400 and "keep_alive" in r.json()["error"]
         r = h.post("/api/generate", json={"model": "nope", "prompt": "x"})
         assert (r.status_code, r.json()) == (404, {"error": "model 'nope' not found"})
@@ -131,8 +157,11 @@ def test_runner_killed_mid_stream(smol_daemon: Daemon) -> None:
     with httpx.Client(base_url=smol_daemon.url, timeout=120) as h:
         lines = []
         killed = False
-        with h.stream("POST", "/api/generate", json={"model": "smol", "prompt": "Tell me a long story.",
-                                                     "options": {"num_predict": 400}}) as r:
+        with h.stream(
+            "POST",
+            "/api/generate",
+            json={"model": "smol", "prompt": "Tell me a long story.", "options": {"num_predict": 400}},
+        ) as r:
             for line in r.iter_lines():
                 if not line:
                     continue
@@ -143,22 +172,27 @@ def test_runner_killed_mid_stream(smol_daemon: Daemon) -> None:
                     killed = True
         assert killed and "error" in lines[-1], lines[-1]
         assert smol_daemon.proc.poll() is None
-        r = h.post("/api/generate", json={"model": "smol", "prompt": "Hi", "stream": False,
-                                          "options": {"num_predict": 4}})
+        r = h.post(
+            "/api/generate", json={"model": "smol", "prompt": "Hi", "stream": False, "options": {"num_predict": 4}}
+        )
         assert r.status_code == 200 and r.json()["done"] is True
 
 
 def test_client_disconnect_stops_generation(smol_daemon: Daemon) -> None:
     with httpx.Client(base_url=smol_daemon.url, timeout=120) as h:
-        with h.stream("POST", "/api/generate", json={"model": "smol", "prompt": "Count to one thousand.",
-                                                     "options": {"num_predict": 2000}}) as r:
+        with h.stream(
+            "POST",
+            "/api/generate",
+            json={"model": "smol", "prompt": "Count to one thousand.", "options": {"num_predict": 2000}},
+        ) as r:
             for i, _line in enumerate(r.iter_lines()):
                 if i == 2:
                     break
         # the runner is free again quickly: a short request completes well before 2000 tokens could be made
         started = time.monotonic()
-        r = h.post("/api/generate", json={"model": "smol", "prompt": "Hi", "stream": False,
-                                          "options": {"num_predict": 2}})
+        r = h.post(
+            "/api/generate", json={"model": "smol", "prompt": "Hi", "stream": False, "options": {"num_predict": 2}}
+        )
         assert r.status_code == 200 and time.monotonic() - started < 20
 
 
@@ -183,8 +217,9 @@ def test_budget_evicts_and_refuses(tmp_path: Path) -> None:
         order: list[str] = []
 
         def long_a() -> None:
-            for _ in client.generate(model="a", prompt="Tell a story", stream=True,
-                                     options={"num_ctx": 512, "num_predict": 40}):
+            for _ in client.generate(
+                model="a", prompt="Tell a story", stream=True, options={"num_ctx": 512, "num_predict": 40}
+            ):
                 pass
             order.append("a-done")
 

@@ -178,7 +178,7 @@ def test_hostile_inputs_leave_store_unchanged(daemon: Daemon, tiny_gguf: Path) -
             ("post", "/api/create", {"model": "ok", "files": {"m.gguf": good}, "parameters": {"nonsense": 1}}),
             ("post", "/api/create", {"model": "ok", "files": {"m.gguf": good}, "messages": [{"role": "bot"}]}),
             ("post", "/api/create", {"model": "ok", "files": {"m.gguf": good}, "template": "{{ .Prompt "}),
-            ("post", "/api/create", {"model": "ok", "files": {"m.gguf": good}, "quantize": "q4_K_M"}),
+            ("post", "/api/create", {"model": "ok", "files": {"m.gguf": good}, "quantize": "q5_K_M"}),
             ("post", "/api/create", {"model": "ok", "from": "missing-model"}),
             ("post", "/api/create", {"model": "ok"}),
         ]

@@ -47,8 +47,12 @@ def test_ollama_client_with_and_without_key(keyed: Daemon) -> None:
 
 def test_cli_sends_the_key(keyed: Daemon) -> None:
     env = dict(keyed.env)
-    assert subprocess.run([sys.executable, "-m", "cli", "list"], env=env, cwd=REPO, capture_output=True,
-                          text=True).returncode == 0
+    assert (
+        subprocess.run(
+            [sys.executable, "-m", "cli", "list"], env=env, cwd=REPO, capture_output=True, text=True
+        ).returncode
+        == 0
+    )
     env.pop("CORRAL_API_KEY")
     r = subprocess.run([sys.executable, "-m", "cli", "list"], env=env, cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 1 and "API key" in r.stderr
@@ -63,8 +67,13 @@ def test_key_never_logged(keyed: Daemon) -> None:
 
 
 def test_non_loopback_without_key_refuses(tmp_path: Path) -> None:
-    env = {"CORRAL_HOST": "0.0.0.0:0", "CORRAL_MODELS": str(tmp_path / "m"), "PYTHONPATH": str(REPO),
-           "PATH": "/usr/bin:/bin"}
-    r = subprocess.run([sys.executable, "-m", "cli", "serve"], env=env, cwd=REPO, capture_output=True, text=True,
-                       timeout=60)
+    env = {
+        "CORRAL_HOST": "0.0.0.0:0",
+        "CORRAL_MODELS": str(tmp_path / "m"),
+        "PYTHONPATH": str(REPO),
+        "PATH": "/usr/bin:/bin",
+    }
+    r = subprocess.run(
+        [sys.executable, "-m", "cli", "serve"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 1 and "refusing to listen on 0.0.0.0:0 without an API key" in r.stderr

@@ -32,28 +32,46 @@ def test_settings_defaults() -> None:
     assert (s.context_length, s.flash_attention, s.kv_cache_type) == (0, "auto", "f16")
 
 
-@pytest.mark.parametrize(("raw", "want"), [("1", "on"), ("true", "on"), ("TRUE", "on"), ("t", "on"), (" 'on' ", "on"),
-                                           ("0", "off"), ("false", "off"), ("F", "off"), ("", "auto"),
-                                           ("auto", "auto")])
+@pytest.mark.parametrize(
+    ("raw", "want"),
+    [
+        ("1", "on"),
+        ("true", "on"),
+        ("TRUE", "on"),
+        ("t", "on"),
+        (" 'on' ", "on"),
+        ("0", "off"),
+        ("false", "off"),
+        ("F", "off"),
+        ("", "auto"),
+        ("auto", "auto"),
+    ],
+)
 def test_flash_attention_words(raw: str, want: str) -> None:
     assert Settings.from_env({"CORRAL_FLASH_ATTENTION": raw}).flash_attention == want
 
 
-@pytest.mark.parametrize(("raw", "want"), [("f16", "f16"), ("q8_0", "q8_0"), ("Q4_0", "q4_0"), ('"q8_0"', "q8_0"),
-                                           ("", "f16")])
+@pytest.mark.parametrize(
+    ("raw", "want"), [("f16", "f16"), ("q8_0", "q8_0"), ("Q4_0", "q4_0"), ('"q8_0"', "q8_0"), ("", "f16")]
+)
 def test_kv_cache_types(raw: str, want: str) -> None:
     assert Settings.from_env({"CORRAL_KV_CACHE_TYPE": raw}).kv_cache_type == want
 
 
-@pytest.mark.parametrize(("env", "words"), [
-    ({"CORRAL_FLASH_ATTENTION": "maybe"}, ["CORRAL_FLASH_ATTENTION", "true", "false"]),
-    ({"CORRAL_KV_CACHE_TYPE": "q5_1"}, ["CORRAL_KV_CACHE_TYPE", "f16", "q8_0", "q4_0"]),
-    ({"CORRAL_CONTEXT_LENGTH": "lots"}, ["CORRAL_CONTEXT_LENGTH", "number of tokens"]),
-    ({"CORRAL_CONTEXT_LENGTH": "-1"}, ["CORRAL_CONTEXT_LENGTH"]),
-    ({"CORRAL_CONTEXT_LENGTH": str((1 << 24) + 1)}, ["CORRAL_CONTEXT_LENGTH"]),
-    ({"CORRAL_KV_CACHE_TYPE": "q8_0", "CORRAL_FLASH_ATTENTION": "false"},
-     ["CORRAL_KV_CACHE_TYPE", "CORRAL_FLASH_ATTENTION"]),
-])
+@pytest.mark.parametrize(
+    ("env", "words"),
+    [
+        ({"CORRAL_FLASH_ATTENTION": "maybe"}, ["CORRAL_FLASH_ATTENTION", "true", "false"]),
+        ({"CORRAL_KV_CACHE_TYPE": "q5_1"}, ["CORRAL_KV_CACHE_TYPE", "f16", "q8_0", "q4_0"]),
+        ({"CORRAL_CONTEXT_LENGTH": "lots"}, ["CORRAL_CONTEXT_LENGTH", "number of tokens"]),
+        ({"CORRAL_CONTEXT_LENGTH": "-1"}, ["CORRAL_CONTEXT_LENGTH"]),
+        ({"CORRAL_CONTEXT_LENGTH": str((1 << 24) + 1)}, ["CORRAL_CONTEXT_LENGTH"]),
+        (
+            {"CORRAL_KV_CACHE_TYPE": "q8_0", "CORRAL_FLASH_ATTENTION": "false"},
+            ["CORRAL_KV_CACHE_TYPE", "CORRAL_FLASH_ATTENTION"],
+        ),
+    ],
+)
 def test_invalid_values_name_the_variable(env: dict[str, str], words: list[str]) -> None:
     with pytest.raises(SettingsError) as info:
         Settings.from_env(env)
@@ -79,15 +97,28 @@ def test_context_length_setting_and_automatic_tiers() -> None:
     assert default_context_length(80 * GiB, configured=2048) == 2048  # the variable wins over the tier
 
 
-@pytest.mark.parametrize("env", [{"CORRAL_FLASH_ATTENTION": "sometimes"}, {"CORRAL_KV_CACHE_TYPE": "int4"},
-                                 {"CORRAL_CONTEXT_LENGTH": "4k"},
-                                 {"CORRAL_KV_CACHE_TYPE": "q4_0", "CORRAL_FLASH_ATTENTION": "off"}])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"CORRAL_FLASH_ATTENTION": "sometimes"},
+        {"CORRAL_KV_CACHE_TYPE": "int4"},
+        {"CORRAL_CONTEXT_LENGTH": "4k"},
+        {"CORRAL_KV_CACHE_TYPE": "q4_0", "CORRAL_FLASH_ATTENTION": "off"},
+    ],
+)
 def test_serve_refuses_invalid_values(tmp_path: Path, env: dict[str, str]) -> None:
     full = {k: v for k, v in os.environ.items() if not k.startswith(("CORRAL_", "OLLAMA_"))}
-    full.update({"CORRAL_HOST": f"127.0.0.1:{free_port()}", "CORRAL_MODELS": str(tmp_path / "models"),
-                 "PYTHONPATH": str(REPO), **env})
-    r = subprocess.run([sys.executable, "-m", "cli", "serve"], env=full, cwd=REPO, capture_output=True, text=True,
-                       timeout=60)
+    full.update(
+        {
+            "CORRAL_HOST": f"127.0.0.1:{free_port()}",
+            "CORRAL_MODELS": str(tmp_path / "models"),
+            "PYTHONPATH": str(REPO),
+            **env,
+        }
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "cli", "serve"], env=full, cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
     first = r.stderr.strip().splitlines()[0]
@@ -129,8 +160,13 @@ def test_load_spec_carries_the_settings(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "t.gguf", context_length=512)
     settings = Settings.from_env({"CORRAL_KV_CACHE_TYPE": "q8_0", "CORRAL_FLASH_ATTENTION": "true"})
     inf = Inference(None, None, settings, default_num_ctx=32768, ram_budget=1 << 34)  # type: ignore[arg-type]
-    ctx: Any = SimpleNamespace(params={}, info=read_gguf_file(str(path)), model_path=path, adapters=(),
-                               stored=SimpleNamespace(manifest=SimpleNamespace(first=lambda media: None)))
+    ctx: Any = SimpleNamespace(
+        params={},
+        info=read_gguf_file(str(path)),
+        model_path=path,
+        adapters=(),
+        stored=SimpleNamespace(manifest=SimpleNamespace(first=lambda media: None)),
+    )
     spec = inf.load_spec(ctx, inf.options(ctx, {}))
     assert (spec.num_ctx, spec.kv_cache_type, spec.flash_attn) == (512, "q8_0", "on")  # clamped to the trained 512
     assert any(key[-1] == "q8_0" for key in inf._estimates)  # the estimate cache is keyed by the KV type too
@@ -176,8 +212,16 @@ def q8_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 def _loaded_after(d: Daemon, model: str, options: dict[str, Any] | None = None, **body: Any) -> dict[str, Any]:
     """Generate once, then the one model /api/ps lists."""
     with httpx.Client(base_url=d.url, timeout=120) as h:
-        r = h.post("/api/generate", json={"model": model, "prompt": "Hi", "stream": False,
-                                          "options": {"num_predict": 2, **(options or {})}, **body})
+        r = h.post(
+            "/api/generate",
+            json={
+                "model": model,
+                "prompt": "Hi",
+                "stream": False,
+                "options": {"num_predict": 2, **(options or {})},
+                **body,
+            },
+        )
         assert r.status_code == 200, r.text
         models = h.get("/api/ps").json()["models"]
     assert len(models) == 1, models
@@ -235,8 +279,9 @@ def test_q8_0_kv_is_smaller_and_greedy_equals_in_process(auto_daemon: Daemon, q8
     opts = {**GREEDY, "num_ctx": 8192}
     f16 = _loaded_after(auto_daemon, "smol", opts)
     with httpx.Client(base_url=q8_daemon.url, timeout=120) as h:
-        r = h.post("/api/generate", json={"model": "smol", "prompt": prompt, "raw": True, "stream": False,
-                                          "options": opts})
+        r = h.post(
+            "/api/generate", json={"model": "smol", "prompt": prompt, "raw": True, "stream": False, "options": opts}
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         q8 = h.get("/api/ps").json()["models"][0]
@@ -252,8 +297,10 @@ def test_q8_0_kv_is_smaller_and_greedy_equals_in_process(auto_daemon: Daemon, q8
 
     # in a child process, without extra buffer types where they crash (tests/reference.py)
     ref = completion_text(
-        dict(model_path=str(SMOL), n_ctx=8192, n_batch=512, verbose=False, seed=42, flash_attn=True, type_k=8,
-             type_v=8),  # GGML_TYPE_Q8_0
-        dict(prompt=prompt, max_tokens=24, temperature=0, repeat_penalty=1.0, top_k=40, top_p=0.9, seed=42))
+        dict(
+            model_path=str(SMOL), n_ctx=8192, n_batch=512, verbose=False, seed=42, flash_attn=True, type_k=8, type_v=8
+        ),  # GGML_TYPE_Q8_0
+        dict(prompt=prompt, max_tokens=24, temperature=0, repeat_penalty=1.0, top_k=40, top_p=0.9, seed=42),
+    )
     assert body["response"] == ref
     assert body["eval_count"] == 24

@@ -120,8 +120,12 @@ class CrashingRunner(FakeRunner):
 
 def scheduler(fb: Fallbacks) -> Scheduler:
     FakeRunner.instances = []
-    return Scheduler(runner_factory=lambda ref, spec: CrashingRunner(spec, MemoryUse(1, 0)),
-                     estimate=lambda ref, spec: MemoryUse(1, 0), budget=lambda: Budget(10, 0, 0), fallbacks=fb)
+    return Scheduler(
+        runner_factory=lambda ref, spec: CrashingRunner(spec, MemoryUse(1, 0)),
+        estimate=lambda ref, spec: MemoryUse(1, 0),
+        budget=lambda: Budget(10, 0, 0),
+        fallbacks=fb,
+    )
 
 
 async def test_scheduler_loads_again_without_extra_bufts() -> None:
@@ -160,8 +164,12 @@ async def test_scheduler_gives_up_with_one_clear_error_and_backs_off() -> None:
 async def test_first_decode_crash_is_retried_on_a_safer_runner() -> None:
     fb = Fallbacks(machine="m")
     FakeRunner.instances = []
-    s = Scheduler(runner_factory=lambda ref, spec: FakeRunner(spec, MemoryUse(1, 0)),
-                  estimate=lambda ref, spec: MemoryUse(1, 0), budget=lambda: Budget(10, 0, 0), fallbacks=fb)
+    s = Scheduler(
+        runner_factory=lambda ref, spec: FakeRunner(spec, MemoryUse(1, 0)),
+        estimate=lambda ref, spec: MemoryUse(1, 0),
+        budget=lambda: Budget(10, 0, 0),
+        fallbacks=fb,
+    )
     lease = await s.acquire(ModelRef("w", "smol"), SPEC)
     first = lease.runner
     crash = RunnerCrashed("killed", signal=SEGV, early=True)

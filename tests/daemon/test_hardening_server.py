@@ -146,8 +146,10 @@ def test_idle_and_half_sent_connections_do_not_lock_out_other_clients(tmp_path: 
         version_within(d, 2.0)
         size = d.log.stat().st_size
         assert size < 1024 * 1024, f"log grew to {size} bytes"
-        print(f"version answered in {took:.3f}s with 1200 slow connections; rss +{grown / 2**20:.1f} MiB; "
-              f"all closed after {time.monotonic() - flood_opened:.1f}s; log {size} bytes")
+        print(
+            f"version answered in {took:.3f}s with 1200 slow connections; rss +{grown / 2**20:.1f} MiB; "
+            f"all closed after {time.monotonic() - flood_opened:.1f}s; log {size} bytes"
+        )
         soft, hard = resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE)
         assert soft == hard or soft >= 10240, (soft, hard)  # it raised its soft limit from 1024 at start
     finally:
@@ -186,8 +188,7 @@ def test_control_characters_in_a_request_cannot_forge_log_lines(daemon: Daemon) 
     host, port = address(daemon)
     nasty = "/api/x%0aforged1%0d%0aforged2%1b[31mred%c2%85nel%e2%80%a8ls%00nul%09tab"
     with socket.create_connection((host, port), timeout=10) as s:
-        s.sendall(f"GET {nasty} HTTP/1.1\r\nHost: {daemon.host}\r\nUser-Agent: a\r\nConnection: close\r\n\r\n"
-                  .encode())
+        s.sendall(f"GET {nasty} HTTP/1.1\r\nHost: {daemon.host}\r\nUser-Agent: a\r\nConnection: close\r\n\r\n".encode())
         got = b""
         while chunk := s.recv(65536):
             got += chunk
@@ -218,7 +219,7 @@ def test_control_characters_in_a_request_cannot_forge_log_lines(daemon: Daemon) 
     for escaped in (r"\n", r"\r", r"\x1b[31mred", r"\x85", r"\u2028", r"\x00", r"\t"):
         assert escaped in line, (escaped, line)
     assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]", text), "a raw control character got in"
-    assert all(ln.startswith("time=") or ln.startswith("    ") or not ln for ln in lines), lines
+    assert all(ln.startswith(("time=", "    ")) or not ln for ln in lines), lines
     assert 'path="/api/y status=200 model=fake" status=404' in text
 
 
@@ -293,8 +294,9 @@ def test_rate_limit_suppresses_repeats_and_summarises() -> None:
     clock.now += 61
     logger.error("socket.accept() out of system resource fd=%d", 500)
     lines = out.getvalue().splitlines()
-    assert any("suppressed 95 similar messages" in ln and "socket.accept() out of system resource" in ln
-               for ln in lines), lines
+    assert any(
+        "suppressed 95 similar messages" in ln and "socket.accept() out of system resource" in ln for ln in lines
+    ), lines
     assert lines[-1].endswith("fd=500")  # the window restarted: the message is written again
 
 
@@ -317,7 +319,7 @@ def test_rate_limit_lets_distinct_info_lines_through_up_to_a_byte_budget() -> No
     for i in range(200):  # request lines: one template, different text
         logger.info("request method=GET path=/api/version status=200 duration=%.3fs", i / 1000)
     assert len(out.getvalue().splitlines()) == 200
-    for i in range(10):
+    for _ in range(10):
         logger.info("exactly the same line")
     assert out.getvalue().count("exactly the same line") == 5
     for i in range(1000):
@@ -361,8 +363,9 @@ def test_rate_limit_bounds_the_bytes_of_a_flood() -> None:
             raise OSError(24, "Too many open files")
         except OSError:
             logger.error("socket.accept() out of system resource", exc_info=True)
-            logger.error(f"Exception in callback BaseSelectorEventLoop._start_serving() when={clock.now}",
-                         exc_info=True)
+            logger.error(
+                f"Exception in callback BaseSelectorEventLoop._start_serving() when={clock.now}", exc_info=True
+            )
         logger.warning("Invalid HTTP request received. %d", i)
         logger.info("request method=GET path=/api/x%d status=404", i)  # distinct lines: the byte budget holds them
     assert len(out.getvalue()) < 4 * 1024 * 1024 + 256 * 1024, len(out.getvalue())
@@ -407,8 +410,9 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["path"] == "/hold":
         await asyncio.sleep(3)
     payload = str(len(body)).encode()
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-length", str(len(payload)).encode())]})
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(payload)).encode())]}
+    )
     await send({"type": "http.response.body", "body": payload})
 
 

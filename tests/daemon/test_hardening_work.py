@@ -28,12 +28,17 @@ def busy_slots(d: Daemon) -> int:
     return sum(1 for m in models for s in m.get("slots") or [] if s["busy"])
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/api/generate", {"model": "endless", "prompt": "a b c", "stream": False}),
-    ("/api/chat", {"model": "endless", "messages": [{"role": "user", "content": "a b"}], "stream": False}),
-    ("/v1/chat/completions", {"model": "endless", "messages": [{"role": "user", "content": "a b"}],
-                              "max_tokens": 100000}),
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/api/generate", {"model": "endless", "prompt": "a b c", "stream": False}),
+        ("/api/chat", {"model": "endless", "messages": [{"role": "user", "content": "a b"}], "stream": False}),
+        (
+            "/v1/chat/completions",
+            {"model": "endless", "messages": [{"role": "user", "content": "a b"}], "max_tokens": 100000},
+        ),
+    ],
+)
 def test_a_non_streaming_request_stops_when_its_client_leaves(tmp_path: Path, path: str, body: dict) -> None:
     d = start_daemon(tmp_path / "models", tmp_path / "daemon.log", {"CORRAL_NUM_PARALLEL": "2"})
     try:
@@ -46,23 +51,30 @@ def test_a_non_streaming_request_stops_when_its_client_leaves(tmp_path: Path, pa
             time.sleep(0.1)
         assert busy_slots(d) == 0  # the generation was cancelled, its slot is free
         # and the model still answers
-        r = httpx.post(d.url + "/api/generate", timeout=60, json={
-            "model": "endless", "prompt": "a", "stream": False, "options": {**ENDLESS, "num_predict": 3}})
+        r = httpx.post(
+            d.url + "/api/generate",
+            timeout=60,
+            json={"model": "endless", "prompt": "a", "stream": False, "options": {**ENDLESS, "num_predict": 3}},
+        )
         assert r.status_code == 200 and r.json()["eval_count"] == 3
     finally:
         stop_daemon(d)
 
 
 def test_admission_counts_the_runners_backlog_and_answers_503(tmp_path: Path) -> None:
-    d = start_daemon(tmp_path / "models", tmp_path / "daemon.log",
-                     {"CORRAL_NUM_PARALLEL": "1", "CORRAL_MAX_QUEUE": "2"})
+    d = start_daemon(
+        tmp_path / "models", tmp_path / "daemon.log", {"CORRAL_NUM_PARALLEL": "1", "CORRAL_MAX_QUEUE": "2"}
+    )
     try:
         create_endless(d, tmp_path)
         opts = {**ENDLESS, "num_predict": 400}
 
         def one(_: int) -> httpx.Response:
-            return httpx.post(d.url + "/api/generate", timeout=120, json={
-                "model": "endless", "prompt": "a b", "stream": False, "options": opts})
+            return httpx.post(
+                d.url + "/api/generate",
+                timeout=120,
+                json={"model": "endless", "prompt": "a b", "stream": False, "options": opts},
+            )
 
         # load it first, so all requests meet a loaded model
         assert one(0).status_code == 200
@@ -81,10 +93,21 @@ def test_admission_counts_the_runners_backlog_and_answers_503(tmp_path: Path) ->
         assert "server busy" in busy.json()["error"]
         # the OpenAI dialect: its own error shape, the same header
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            futures = [pool.submit(httpx.post, d.url + "/v1/completions", json={
-                "model": "endless", "prompt": "a", "max_tokens": 2000, "temperature": 0,
-                "options": {"num_ctx": 256}}, timeout=120)
-                for _ in range(6)]
+            futures = [
+                pool.submit(
+                    httpx.post,
+                    d.url + "/v1/completions",
+                    json={
+                        "model": "endless",
+                        "prompt": "a",
+                        "max_tokens": 2000,
+                        "temperature": 0,
+                        "options": {"num_ctx": 256},
+                    },
+                    timeout=120,
+                )
+                for _ in range(6)
+            ]
             shaped = [f.result() for f in futures]
         refused = [r for r in shaped if r.status_code == 503]
         assert refused and refused[0].headers["Retry-After"] == "1"

@@ -59,8 +59,9 @@ def test_no_runner_outlives_the_daemon(tmp_path: Path, tiny_gguf: Path, sig: sig
 def test_second_daemon_on_same_store_refuses(daemon: Daemon) -> None:
     env = dict(daemon.env)
     env["CORRAL_HOST"] = "127.0.0.1:0"
-    r = subprocess.run([sys.executable, "-m", "cli", "serve"], env=env, cwd=REPO, capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "cli", "serve"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 1
     assert "already in use by corral (pid" in r.stderr and "CORRAL_MODELS" in r.stderr
 

@@ -17,8 +17,16 @@ def test_metrics_count_tokens_and_log_lines(daemon: Daemon, tiny_gguf: Path) -> 
     with httpx.Client(base_url=daemon.url, timeout=60) as h:
         h.post(f"/api/blobs/{digest}", content=data)
         h.post("/api/create", json={"model": "t", "files": {"t.gguf": digest}, "stream": False})
-        r = h.post("/api/generate", json={"model": "t", "prompt": "a b c", "raw": True, "stream": False,
-                                          "options": {"num_predict": 5, "temperature": 0}})
+        r = h.post(
+            "/api/generate",
+            json={
+                "model": "t",
+                "prompt": "a b c",
+                "raw": True,
+                "stream": False,
+                "options": {"num_predict": 5, "temperature": 0},
+            },
+        )
         body = r.json()
         text = h.get("/metrics").text
         assert h.get("/health").json() == {"status": "ok"}

@@ -37,8 +37,7 @@ def create(d: Daemon, name: str, **kw: object) -> None:
 
 
 def generate(d: Daemon, model: str = "smol", stream: bool = False) -> httpx.Response:
-    body = {"model": model, "prompt": "The capital of France is", "raw": True, "stream": stream,
-            "options": GREEDY}
+    body = {"model": model, "prompt": "The capital of France is", "raw": True, "stream": stream, "options": GREEDY}
     return httpx.post(d.url + "/api/generate", json=body, timeout=180)
 
 
@@ -122,8 +121,7 @@ def test_aliases_share_one_runner_and_keep_their_own_system(tmp_path: Path) -> N
         create(d, "smol")
         client = ollama.Client(host=d.url)
         client.copy("smol", "smol-copy")
-        client.create(model="pirate", from_="smol", system="You are a pirate. Always answer: Arr!",
-                      stream=False)
+        client.create(model="pirate", from_="smol", system="You are a pirate. Always answer: Arr!", stream=False)
         client.create(model="french", from_="smol", system="Réponds toujours en français.", stream=False)
         msgs = [{"role": "user", "content": "Who are you?"}]
         opts = {"temperature": 0, "num_predict": 16, "num_ctx": 1024}

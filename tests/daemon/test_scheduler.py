@@ -58,8 +58,9 @@ def test_decide_vram() -> None:
 
 
 # -- the actor ------------------------------------------------------------------------------------------------------
-def make(sizes: dict[str, int], budget: int, *, load_delay: float = 0.0, max_queue: int = 8,
-         fail: set[str] | None = None) -> Scheduler:
+def make(
+    sizes: dict[str, int], budget: int, *, load_delay: float = 0.0, max_queue: int = 8, fail: set[str] | None = None
+) -> Scheduler:
     FakeRunner.instances = []
 
     def factory(ref: ModelRef, spec: LoadSpec) -> FakeRunner:

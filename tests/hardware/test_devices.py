@@ -16,8 +16,18 @@ import httpx
 import pytest
 
 from daemon import hardware
-from daemon.hardware import (GPU, Device, Hardware, SystemMemoryProbe, budgets, detect, filter_cuda_visible,
-                             nvml_visible, offload_devices, run_probe)
+from daemon.hardware import (
+    GPU,
+    Device,
+    Hardware,
+    SystemMemoryProbe,
+    budgets,
+    detect,
+    filter_cuda_visible,
+    nvml_visible,
+    offload_devices,
+    run_probe,
+)
 from daemon.inference import Inference
 from daemon.runners.probe import cpu_features, parse_system_info
 from daemon.settings import Settings
@@ -30,8 +40,14 @@ GiB = 1 << 30
 
 # -- the probe on this (CPU-only) build -------------------------------------------------------------------------
 def test_probe_child_prints_only_json_listing_the_cpu() -> None:
-    r = subprocess.run([sys.executable, "-m", "daemon.runners.probe"], cwd=REPO, capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    r = subprocess.run(
+        [sys.executable, "-m", "daemon.runners.probe"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert len(lines) == 1  # nothing but the JSON object on stdout
@@ -58,18 +74,23 @@ def test_run_probe_and_detect_on_this_machine(tmp_path: Path) -> None:
 
 
 def test_detect_never_imports_llama_cpp_in_the_daemon(tmp_path: Path) -> None:
-    code = ("import sys; from pathlib import Path; from daemon.hardware import detect; "
-            "hw = detect(cache_dir=Path(sys.argv[1])); hw2 = detect(cache_dir=Path(sys.argv[1])); "
-            "assert hw.devices and hw2.probe.startswith('cached'), (hw.probe, hw2.probe); "
-            "assert 'llama_cpp' not in sys.modules")
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
-                       timeout=120)
+    code = (
+        "import sys; from pathlib import Path; from daemon.hardware import detect; "
+        "hw = detect(cache_dir=Path(sys.argv[1])); hw2 = detect(cache_dir=Path(sys.argv[1])); "
+        "assert hw.devices and hw2.probe.startswith('cached'), (hw.probe, hw2.probe); "
+        "assert 'llama_cpp' not in sys.modules"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
 
 
 def test_parse_system_info_sections() -> None:
-    text = ("CUDA : ARCHS = 890 | USE_GRAPHS = 1 | PEER_MAX_BATCH_SIZE = 128 | CPU : SSE3 = 1 | AVX = 1 | "
-            "AVX512 = 0 | AMX_INT8 = 1 | REPACK = 1 | ")
+    text = (
+        "CUDA : ARCHS = 890 | USE_GRAPHS = 1 | PEER_MAX_BATCH_SIZE = 128 | CPU : SSE3 = 1 | AVX = 1 | "
+        "AVX512 = 0 | AMX_INT8 = 1 | REPACK = 1 | "
+    )
     sections = parse_system_info(text)
     assert sections["CUDA"] == {"ARCHS": "890", "USE_GRAPHS": "1", "PEER_MAX_BATCH_SIZE": "128"}
     assert cpu_features(text) == ["SSE3", "AVX", "AMX_INT8", "REPACK"]  # only the CPU's "= 1" entries
@@ -100,18 +121,32 @@ def test_a_hanging_or_garbled_probe_means_cpu_only(tmp_path: Path, monkeypatch: 
     _fake_python(tmp_path, "echo 'not json'; exit 0", monkeypatch)
     data, why = run_probe(os.environ)
     assert data is None and "probe failed" in why
-    _fake_python(tmp_path, "echo '{\"error\": \"ImportError: no llama_cpp\"}'; exit 2", monkeypatch)
+    _fake_python(tmp_path, 'echo \'{"error": "ImportError: no llama_cpp"}\'; exit 2', monkeypatch)
     assert run_probe(os.environ) == (None, "the llama.cpp probe failed: ImportError: no llama_cpp")
 
 
 # -- the cache ------------------------------------------------------------------------------------------------
 def _probe_of(*devices: dict[str, Any], backends: tuple[str, ...] = ("CPU",)) -> dict[str, Any]:
-    cpu = {"index": 0, "name": "CPU", "description": "Test CPU", "backend": "CPU", "type": "cpu",
-           "memory_total": 64 * GiB, "memory_free": 64 * GiB, "device_id": ""}
+    cpu = {
+        "index": 0,
+        "name": "CPU",
+        "description": "Test CPU",
+        "backend": "CPU",
+        "type": "cpu",
+        "memory_total": 64 * GiB,
+        "memory_free": 64 * GiB,
+        "device_id": "",
+    }
     devs = [cpu, *({"index": i + 1, **d} for i, d in enumerate(devices))]
-    return {"backends": [{"name": b, "devices": 1} for b in backends], "devices": devs,
-            "gpu_offload": bool(devices), "max_devices": 16, "system_info": "CPU : AVX2 = 1 | AVX512 = 0 |",
-            "cpu_features": ["AVX2"], "errors": []}
+    return {
+        "backends": [{"name": b, "devices": 1} for b in backends],
+        "devices": devs,
+        "gpu_offload": bool(devices),
+        "max_devices": 16,
+        "system_info": "CPU : AVX2 = 1 | AVX512 = 0 |",
+        "cpu_features": ["AVX2"],
+        "errors": [],
+    }
 
 
 class CountingProbe:
@@ -141,8 +176,15 @@ def test_probe_result_is_cached_per_libraries_and_visible_devices(tmp_path: Path
 
 
 def test_cached_free_memory_of_a_non_nvidia_gpu_goes_stale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    vulkan = {"name": "Vulkan0", "description": "AMD Radeon", "backend": "Vulkan", "type": "gpu",
-              "memory_total": 16 * GiB, "memory_free": 12 * GiB, "device_id": "0000:03:00.0"}
+    vulkan = {
+        "name": "Vulkan0",
+        "description": "AMD Radeon",
+        "backend": "Vulkan",
+        "type": "gpu",
+        "memory_total": 16 * GiB,
+        "memory_free": 12 * GiB,
+        "device_id": "0000:03:00.0",
+    }
     probe = CountingProbe(_probe_of(vulkan, backends=("CPU", "Vulkan")))
     env = {k: v for k, v in os.environ.items() if k not in hardware.VISIBLE_ENV}
     kw: dict[str, Any] = {"environ": env, "probe": probe, "nvml": lambda: ((), "no NVML"), "cache_dir": tmp_path}
@@ -156,10 +198,14 @@ def test_cached_free_memory_of_a_non_nvidia_gpu_goes_stale(tmp_path: Path, monke
 
 
 # -- visible devices: NVML ---------------------------------------------------------------------------------------
-NV = (GPU(0, "NVIDIA A", "GPU-aaaa1111", 24 * GiB, 20 * GiB, "550.1", "8.9", backend="CUDA",
-          pci_bus_id="00000000:01:00.0"),
-      GPU(1, "NVIDIA B", "GPU-bbbb2222", 48 * GiB, 40 * GiB, "550.1", "8.6", backend="CUDA",
-          pci_bus_id="00000000:41:00.0"))
+NV = (
+    GPU(
+        0, "NVIDIA A", "GPU-aaaa1111", 24 * GiB, 20 * GiB, "550.1", "8.9", backend="CUDA", pci_bus_id="00000000:01:00.0"
+    ),
+    GPU(
+        1, "NVIDIA B", "GPU-bbbb2222", 48 * GiB, 40 * GiB, "550.1", "8.6", backend="CUDA", pci_bus_id="00000000:41:00.0"
+    ),
+)
 
 
 def fake_nvml() -> tuple[tuple[GPU, ...], str]:
@@ -189,10 +235,26 @@ def test_empty_cuda_visible_devices_hides_nvml_gpus_and_free_vram() -> None:
 
 
 # -- visible devices: detect() with llama.cpp's devices ------------------------------------------------------------
-CUDA_DEVS = ({"name": "CUDA0", "description": "NVIDIA A", "backend": "CUDA", "type": "gpu",
-              "memory_total": 24 * GiB, "memory_free": 19 * GiB, "device_id": "0000:01:00.0"},
-             {"name": "CUDA1", "description": "NVIDIA B", "backend": "CUDA", "type": "gpu",
-              "memory_total": 48 * GiB, "memory_free": 39 * GiB, "device_id": "0000:41:00.0"})
+CUDA_DEVS = (
+    {
+        "name": "CUDA0",
+        "description": "NVIDIA A",
+        "backend": "CUDA",
+        "type": "gpu",
+        "memory_total": 24 * GiB,
+        "memory_free": 19 * GiB,
+        "device_id": "0000:01:00.0",
+    },
+    {
+        "name": "CUDA1",
+        "description": "NVIDIA B",
+        "backend": "CUDA",
+        "type": "gpu",
+        "memory_total": 48 * GiB,
+        "memory_free": 39 * GiB,
+        "device_id": "0000:41:00.0",
+    },
+)
 
 
 def _detect(env: dict[str, str], devices: tuple[dict[str, Any], ...], tmp_path: Path) -> Hardware:
@@ -205,7 +267,8 @@ def test_detect_merges_nvml_into_llama_cpp_gpus(tmp_path: Path) -> None:
     assert hw.gpu_offload
     assert [(g.index, g.device, g.name, g.uuid, g.compute_capability, g.free_vram) for g in hw.gpus] == [
         (0, "CUDA0", "NVIDIA A", "GPU-aaaa1111", "8.9", 20 * GiB),  # NVML's numbers win for NVIDIA
-        (1, "CUDA1", "NVIDIA B", "GPU-bbbb2222", "8.6", 40 * GiB)]
+        (1, "CUDA1", "NVIDIA B", "GPU-bbbb2222", "8.6", 40 * GiB),
+    ]
     b = budgets(hw, None, None)
     assert b.gpu_budgets == (20 * GiB - (24 * GiB // 20), 40 * GiB - (48 * GiB // 20))
     assert b.vram == sum(b.gpu_budgets)
@@ -239,11 +302,19 @@ def test_empty_cuda_visible_devices_hides_every_cuda_gpu(tmp_path: Path) -> None
 
 
 def test_other_backends_are_gpus_too_and_their_empty_variables_hide_them(tmp_path: Path) -> None:
-    rocm = {"name": "ROCm0", "description": "AMD Instinct MI300X", "backend": "ROCm", "type": "gpu",
-            "memory_total": 192 * GiB, "memory_free": 190 * GiB, "device_id": "0000:05:00.0"}
+    rocm = {
+        "name": "ROCm0",
+        "description": "AMD Instinct MI300X",
+        "backend": "ROCm",
+        "type": "gpu",
+        "memory_total": 192 * GiB,
+        "memory_free": 190 * GiB,
+        "device_id": "0000:05:00.0",
+    }
     hw = _detect({}, (rocm,), tmp_path)
     assert [(g.backend, g.name, g.free_vram, g.uuid) for g in hw.gpus] == [
-        ("ROCm", "AMD Instinct MI300X", 190 * GiB, "")]
+        ("ROCm", "AMD Instinct MI300X", 190 * GiB, "")
+    ]
     assert budgets(hw, None, None).vram > 180 * GiB
     assert _detect({"HIP_VISIBLE_DEVICES": ""}, (rocm,), tmp_path).gpus == ()
     vk = {**rocm, "name": "Vulkan0", "backend": "Vulkan"}
@@ -287,16 +358,33 @@ def test_load_spec_fills_main_gpu_and_tensor_split(tmp_path: Path) -> None:
     from registry.gguf import read_gguf_file
 
     path = write_tiny_gguf(tmp_path / "t.gguf", context_length=512)
-    inf = Inference(None, None, Settings.from_env({}),  # type: ignore[arg-type]
-                    vram_budget=20 * GiB, ram_budget=1 << 34, gpu_budgets=(8 * GiB, 12 * GiB))
-    ctx: Any = SimpleNamespace(params={}, info=read_gguf_file(str(path)), model_path=path, adapters=(),
-                               stored=SimpleNamespace(manifest=SimpleNamespace(first=lambda media: None)))
+    inf = Inference(
+        None,
+        None,
+        Settings.from_env({}),  # type: ignore[arg-type]
+        vram_budget=20 * GiB,
+        ram_budget=1 << 34,
+        gpu_budgets=(8 * GiB, 12 * GiB),
+    )
+    ctx: Any = SimpleNamespace(
+        params={},
+        info=read_gguf_file(str(path)),
+        model_path=path,
+        adapters=(),
+        stored=SimpleNamespace(manifest=SimpleNamespace(first=lambda media: None)),
+    )
     spec = inf.load_spec(ctx, inf.options(ctx, {}))
     assert spec.num_gpu > 0 and (spec.main_gpu, spec.tensor_split) == (0, (1.0, 0.0))  # tiny: fits GPU 0
     spec = inf.load_spec(ctx, inf.options(ctx, {"main_gpu": 1}))
     assert (spec.main_gpu, spec.tensor_split) == (1, (0.0, 1.0))
-    tight = Inference(None, None, Settings.from_env({}),  # type: ignore[arg-type]
-                      vram_budget=20 * GiB, ram_budget=1 << 34, gpu_budgets=(1000, 3000))
+    tight = Inference(
+        None,
+        None,
+        Settings.from_env({}),  # type: ignore[arg-type]
+        vram_budget=20 * GiB,
+        ram_budget=1 << 34,
+        gpu_budgets=(1000, 3000),
+    )
     assert tight.gpu_placement(tight.gpu_budgets, 1 << 20) == (0, (0.25, 0.75))
     cpu = Inference(None, None, Settings.from_env({}), ram_budget=1 << 34)  # type: ignore[arg-type]
     spec = cpu.load_spec(ctx, cpu.options(ctx, {"main_gpu": 3}))

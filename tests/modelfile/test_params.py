@@ -23,7 +23,10 @@ from registry.errors import InvalidRequest
         ("typical_p", "-2.5e-1", -0.25),
         ("stop", "<|im_end|>", "<|im_end|>"),
         ("stop", "", ""),
-        ("mirostat", "two", "two"),
+        ("mirostat", "2", "2"),  # deprecated: checked, kept as its text, dropped from the model's parameters
+        ("mirostat_tau", "5.0", "5.0"),
+        ("mirostat_eta", ".1", ".1"),
+        ("use_mlock", "anything", "anything"),
         *[("use_mmap", w, True) for w in ("1", "t", "T", "TRUE", "true", "True")],
         *[("use_mmap", w, False) for w in ("0", "f", "F", "FALSE", "false", "False")],
     ],
@@ -53,6 +56,13 @@ def test_coerce(name: str, raw: str, value: object) -> None:
         ("tfs_z", "1", 'unknown parameter "tfs_z"'),
         ("temprature", "1", 'unknown parameter "temprature" (did you mean "temperature"?)'),
         ("NUM_CTX", "1", 'unknown parameter "NUM_CTX" (did you mean "num_ctx"?)'),
+        ("mirostat", "two", 'parameter "mirostat" must be 0 (off), 1 or 2, got "two"'),
+        ("mirostat", "7", 'parameter "mirostat" must be 0 (off), 1 or 2, got 7'),
+        ("mirostat", "-1", "must be 0 (off), 1 or 2"),
+        ("mirostat_tau", "NaN", 'parameter "mirostat_tau" must be a finite number above 0, got "NaN"'),
+        ("mirostat_tau", "inf", "finite number above 0"),
+        ("mirostat_tau", "0", "finite number above 0"),
+        ("mirostat_eta", "-0.1", 'parameter "mirostat_eta" must be a finite number above 0, got -0.1'),
     ],
 )
 def test_coerce_errors(name: str, raw: str, message: str) -> None:
@@ -65,10 +75,19 @@ def test_coerce_errors(name: str, raw: str, message: str) -> None:
 
 
 def test_validate_options_types() -> None:
-    got = validate_options({
-        "num_ctx": 2048.9, "seed": -1, "temperature": 1, "top_p": 0.5, "use_mmap": False,
-        "stop": "x", "num_predict": None, "mirostat": 2, "penalize_newline": True,
-    })
+    got = validate_options(
+        {
+            "num_ctx": 2048.9,
+            "seed": -1,
+            "temperature": 1,
+            "top_p": 0.5,
+            "use_mmap": False,
+            "stop": "x",
+            "num_predict": None,
+            "mirostat": 2,
+            "penalize_newline": True,
+        }
+    )
     assert got == {"num_ctx": 2048, "seed": -1, "temperature": 1.0, "top_p": 0.5, "use_mmap": False, "stop": ["x"]}
     assert type(got["num_ctx"]) is int and type(got["temperature"]) is float
     assert validate_options({"stop": ["a", "b"]}) == {"stop": ["a", "b"]}
@@ -96,6 +115,50 @@ def test_validate_options_errors(options: dict[str, object], message: str) -> No
         validate_options(options)
     assert message in str(info.value)
     assert info.value.name == next(iter(options))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"mirostat": 7}, 'option "mirostat" must be 0 (off), 1 or 2, got 7'),
+        ({"mirostat": True}, "must be 0 (off), 1 or 2"),
+        ({"mirostat": "2"}, "must be 0 (off), 1 or 2"),
+        ({"mirostat_tau": float("nan")}, 'option "mirostat_tau" must be a finite number above 0, got nan'),
+        ({"mirostat_tau": float("inf")}, "finite number above 0"),
+        ({"mirostat_eta": 0}, 'option "mirostat_eta" must be a finite number above 0, got 0'),
+        ({"repeat_penalty": 0}, 'option "repeat_penalty" must be above 0 (1 is off), got 0.0'),
+        ({"repeat_penalty": -1}, "must be above 0"),
+        ({"temperature": float("inf")}, 'option "temperature" must be a finite number'),
+        ({"temperature": -0.1}, 'option "temperature" must not be negative, got -0.1'),
+        ({"top_p": 1.5}, 'option "top_p" must be between 0 and 1, got 1.5'),
+        ({"num_thread": 1024}, 'option "num_thread" must be between 0 (automatic) and'),
+        ({"num_thread": -1}, "logical CPU"),
+        ({"num_ctx": 0}, 'option "num_ctx" must be between 1 and 16777216, got 0'),
+        ({"main_gpu": -1}, 'option "main_gpu" must not be negative'),
+    ],
+)
+def test_validate_options_ranges(options: dict[str, object], message: str) -> None:
+    for ignore_unknown in (False, True):  # a model's stored parameters are checked the same way
+        with pytest.raises(ParameterError) as info:
+            validate_options(options, ignore_unknown=ignore_unknown)
+        assert message in str(info.value)
+        assert info.value.name == next(iter(options))
+
+
+def test_num_thread_bound_is_the_machines() -> None:
+    import os
+
+    from modelfile.params import max_num_thread
+
+    assert max_num_thread() == 4 * (os.cpu_count() or 1)
+    assert validate_options({"num_thread": max_num_thread()}) == {"num_thread": max_num_thread()}
+    with pytest.raises(ParameterError, match=f"and {max_num_thread()} "):
+        validate_options({"num_thread": max_num_thread() + 1})
+
+
+def test_deprecated_options_are_checked_then_dropped() -> None:
+    assert validate_options({"mirostat": 1, "mirostat_tau": 5, "mirostat_eta": 0.1, "seed": 1}) == {"seed": 1}
+    assert validate_options({"mirostat": 0.0, "penalize_newline": "whatever"}, ignore_unknown=True) == {}
 
 
 def test_validate_options_can_ignore_unknown() -> None:

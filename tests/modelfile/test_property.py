@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,17 +28,41 @@ _tricky = st.sampled_from(list('"""##  \t\t\n\n\r\r\n') + ["\r\n", '"""', "FROM 
 _printable = st.characters(codec="utf-8").filter(str.isprintable)
 values = st.lists(st.one_of(_tricky, _printable), max_size=30).map("".join)
 names = values.filter(lambda v: v.strip() != "")
-_keywordish = st.sampled_from(["FROM", "from", "PARAMETER", "TEMPLATE", "SYSTEM", "MESSAGE", "LICENSE", "#", '"""', '"',
-                               "ADAPTER", "REQUIRES", "stop", "user", " ", "\t", "\n", "\r\n", "temperature", "1"])
+_keywordish = st.sampled_from(
+    [
+        "FROM",
+        "from",
+        "PARAMETER",
+        "TEMPLATE",
+        "SYSTEM",
+        "MESSAGE",
+        "LICENSE",
+        "#",
+        '"""',
+        '"',
+        "ADAPTER",
+        "REQUIRES",
+        "stop",
+        "user",
+        " ",
+        "\t",
+        "\n",
+        "\r\n",
+        "temperature",
+        "1",
+    ]
+)
 modelfile_text = st.lists(st.one_of(_keywordish, st.text(max_size=5)), max_size=40).map("".join)
 
 parameters = st.one_of(
     st.builds(Parameter, st.just("stop"), values),
     st.builds(Parameter, st.sampled_from(["num_ctx", "seed", "top_k"]), st.integers(-(2**63), 2**63 - 1)),
-    st.builds(Parameter, st.sampled_from(["temperature", "top_p", "min_p"]),
-              st.floats(allow_nan=False, allow_infinity=False)),
+    st.builds(
+        Parameter, st.sampled_from(["temperature", "top_p", "min_p"]), st.floats(allow_nan=False, allow_infinity=False)
+    ),
     st.builds(Parameter, st.just("use_mmap"), st.booleans()),
-    st.builds(Parameter, st.just("mirostat"), values),
+    st.builds(Parameter, st.just("mirostat"), st.sampled_from(["0", "1", "2"])),
+    st.builds(Parameter, st.just("use_mlock"), values),
 )
 versions = st.from_regex(r"\Av?[0-9]{1,3}(\.[0-9]{1,3}){0,2}(-[a-z0-9.]{1,5})?\Z")
 instructions: st.SearchStrategy[Instruction] = st.one_of(
@@ -54,7 +77,9 @@ instructions: st.SearchStrategy[Instruction] = st.one_of(
 )
 modelfiles = st.builds(
     lambda first, rest, at: Modelfile(tuple(rest[:at] + [first] + rest[at:])),
-    st.builds(From, names), st.lists(instructions, max_size=8), st.integers(0, 8),
+    st.builds(From, names),
+    st.lists(instructions, max_size=8),
+    st.integers(0, 8),
 )
 
 
@@ -116,5 +141,3 @@ def test_single_values_round_trip_unless_unrepresentable(value: str) -> None:
 def test_unrepresentable_is_rare() -> None:
     assert parse(render(Modelfile((From("x"), System('a """ b\nc'))))).system == 'a """ b\nc'
     assert parse(render(Modelfile((From("x"), System('a\nb """'))))).system == 'a\nb """'
-
-

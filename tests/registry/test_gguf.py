@@ -19,6 +19,7 @@ from registry.errors import InvalidGGUF, InvalidRequest
 from registry.gguf import GGUFInfo, format_parameter_count, model_info, read_gguf_file, read_gguf_header
 from tests.models import hostile_gguf_variants, smollm2_path, write_tiny_gguf
 
+
 def _variant_names() -> list[str]:
     """The variant names, from a stand-in for the tiny file (so collecting the tests writes no model)."""
     stand_in = bytearray(b"GGUF" + b"\x00" * 400)
@@ -46,7 +47,7 @@ class _Unseekable(io.RawIOBase):
 
     def read(self, n: int = -1) -> bytes:
         n = min(n if n >= 0 else len(self._data), 777)
-        out = self._data[self._pos:self._pos + n]
+        out = self._data[self._pos : self._pos + n]
         self._pos += len(out)
         return out
 
@@ -126,11 +127,18 @@ def test_hostile_variants_are_refused(name: str, tiny_gguf: Path) -> None:
 
 def test_specific_messages(tiny_gguf: Path) -> None:
     v = hostile_gguf_variants(tiny_gguf.read_bytes())
-    for name, words in [("not-gguf", "not a GGUF file (the first bytes are not 'GGUF')"),
-                        ("bad-version", "unsupported GGUF version 99"), ("truncated-in-counts", "truncated GGUF"),
-                        ("huge-tensor-count", "tensors"), ("huge-string", "bytes"), ("huge-array", "elements"),
-                        ("bad-value-type", "unknown value type 77"), ("tensor-bad-type", "unknown ggml type 999"),
-                        ("tensor-offset-past-eof", "truncated GGUF"), ("key-not-utf8", "UTF-8")]:
+    for name, words in [
+        ("not-gguf", "not a GGUF file (the first bytes are not 'GGUF')"),
+        ("bad-version", "unsupported GGUF version 99"),
+        ("truncated-in-counts", "truncated GGUF"),
+        ("huge-tensor-count", "tensors"),
+        ("huge-string", "bytes"),
+        ("huge-array", "elements"),
+        ("bad-value-type", "unknown value type 77"),
+        ("tensor-bad-type", "unknown ggml type 999"),
+        ("tensor-offset-past-eof", "truncated GGUF"),
+        ("key-not-utf8", "UTF-8"),
+    ]:
         with pytest.raises(InvalidGGUF) as exc:
             _parse(v[name])
         assert words in str(exc.value), (name, str(exc.value))
@@ -146,7 +154,7 @@ def test_every_prefix_is_refused(tiny_gguf: Path) -> None:
     data = tiny_gguf.read_bytes()
     header_end = read_gguf_file(tiny_gguf).data_offset
     rng = random.Random(7)
-    cuts = list(range(0, 300)) + rng.sample(range(300, header_end), 200) + [header_end, len(data) - 1]
+    cuts = list(range(300)) + rng.sample(range(300, header_end), 200) + [header_end, len(data) - 1]
     for cut in cuts:
         with pytest.raises(InvalidGGUF):
             _parse(data[:cut])
@@ -165,7 +173,7 @@ def test_random_mutations_only_raise_invalid_gguf(tiny_gguf: Path) -> None:
             if r < 0.6:
                 data[pos] = rng.randrange(256)
             elif r < 0.8 and pos + 8 <= header_end:  # a plausible-looking huge length or count
-                data[pos:pos + 8] = struct.pack("<Q", rng.choice([2**31, 2**32 - 1, 2**40, 2**63, 2**64 - 1]))
+                data[pos : pos + 8] = struct.pack("<Q", rng.choice([2**31, 2**32 - 1, 2**40, 2**63, 2**64 - 1]))
             else:
                 data[pos] ^= 1 << rng.randrange(8)
         if rng.random() < 0.2:
@@ -181,9 +189,20 @@ def test_random_mutations_only_raise_invalid_gguf(tiny_gguf: Path) -> None:
 
 @pytest.mark.parametrize(
     ("n", "text"),
-    [(8_030_000_000, "8.0B"), (8_000_000_000, "8B"), (1_234_500_000, "1.2B"), (70_553_706_496, "70.6B"),
-     (134_515_008, "134.52M"), (1_000_000, "1M"), (1_500_000, "1.50M"), (999_999, "1000K"), (12_345, "12K"),
-     (1_000, "1K"), (999, "999"), (0, "0")],
+    [
+        (8_030_000_000, "8.0B"),
+        (8_000_000_000, "8B"),
+        (1_234_500_000, "1.2B"),
+        (70_553_706_496, "70.6B"),
+        (134_515_008, "134.52M"),
+        (1_000_000, "1M"),
+        (1_500_000, "1.50M"),
+        (999_999, "1000K"),
+        (12_345, "12K"),
+        (1_000, "1K"),
+        (999, "999"),
+        (0, "0"),
+    ],
 )
 def test_parameter_count(n: int, text: str) -> None:
     assert format_parameter_count(n) == text
@@ -228,7 +247,8 @@ def test_smollm2_header() -> None:
     assert info.array_lengths["tokenizer.ggml.tokens"] == 49152 and not info.has_pooling
     theirs = gguf.GGUFReader(path)
     assert [(t.name, [int(x) for x in t.shape], int(t.tensor_type)) for t in theirs.tensors] == [
-        (t.name, list(t.shape), t.ggml_type) for t in info.tensors]
+        (t.name, list(t.shape), t.ggml_type) for t in info.tensors
+    ]
     for key, field in theirs.fields.items():
         if not key.startswith("GGUF."):
             assert info.metadata[key] == field.contents(), key

@@ -15,7 +15,11 @@ from registry.names import ModelName
         ("jmorgan/mario", ("registry.ollama.ai", "jmorgan", "mario", "latest"), "jmorgan/mario:latest"),
         ("h/n/m:t", ("h", "n", "m", "t"), "h/n/m:t"),
         ("_why/_the/_lucky:_stiff", ("_why", "_the", "_lucky", "_stiff"), "_why/_the/_lucky:_stiff"),
-        ("host:https/namespace/model:tag", ("host:https", "namespace", "model", "tag"), "host:https/namespace/model:tag"),
+        (
+            "host:https/namespace/model:tag",
+            ("host:https", "namespace", "model", "tag"),
+            "host:https/namespace/model:tag",
+        ),
         ("localhost:5000/ns/m", ("localhost:5000", "ns", "m", "latest"), "localhost:5000/ns/m:latest"),
         ("http://localhost:5000/ns/m:v1", ("localhost:5000", "ns", "m", "v1"), "localhost:5000/ns/m:v1"),
         ("REGISTRY.OLLAMA.AI/Library/M:T", ("REGISTRY.OLLAMA.AI", "Library", "M", "T"), "M:T"),
@@ -31,9 +35,33 @@ def test_valid_names(raw: str, parts: tuple[str, ...], short: str) -> None:
 @pytest.mark.parametrize(
     "raw",
     [
-        "", "../x", "..", "x/../y", "a/b/c/d:e", "a" * 300, "m\x00", "-hh/nn/mm:tt", "host/name:space/model:tag",
-        "^", "mm:", "//", "@", "m@sha256:abc", "/ns/m", "h//m", "ns/", "a b", "m:t/x", "ftp://h/n/m",
-        "h/n/" + "m" * 81, "h/" + "n" * 81 + "/m", "m:" + "t" * 81, "h/ns.dot/m", "..:x", "m/..", "./m",
+        "",
+        "../x",
+        "..",
+        "x/../y",
+        "a/b/c/d:e",
+        "a" * 300,
+        "m\x00",
+        "-hh/nn/mm:tt",
+        "host/name:space/model:tag",
+        "^",
+        "mm:",
+        "//",
+        "@",
+        "m@sha256:abc",
+        "/ns/m",
+        "h//m",
+        "ns/",
+        "a b",
+        "m:t/x",
+        "ftp://h/n/m",
+        "h/n/" + "m" * 81,
+        "h/" + "n" * 81 + "/m",
+        "m:" + "t" * 81,
+        "h/ns.dot/m",
+        "..:x",
+        "m/..",
+        "./m",
     ],
 )
 def test_invalid_names(raw: str) -> None:
@@ -47,8 +75,16 @@ def test_case_insensitive_identity() -> None:
 
 @pytest.mark.parametrize(
     "raw",
-    ["sha256:" + "A" * 64, "sha256:" + "a" * 63, "sha512:" + "a" * 128, "sha256:../../etc/passwd",
-     "sha256-" + "a" * 64, "sha256:" + "a" * 65, "", "sha256:" + "g" * 64],
+    [
+        "sha256:" + "A" * 64,
+        "sha256:" + "a" * 63,
+        "sha512:" + "a" * 128,
+        "sha256:../../etc/passwd",
+        "sha256-" + "a" * 64,
+        "sha256:" + "a" * 65,
+        "",
+        "sha256:" + "g" * 64,
+    ],
 )
 def test_invalid_digests(raw: str) -> None:
     with pytest.raises(InvalidDigest):

@@ -91,8 +91,15 @@ class FakeRegistry:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     # -- helpers for tests -----------------------------------------------------------------------------------
-    def add_model(self, repo: str, tag: str, layers: list[tuple[str, bytes]], config: bytes = b'{"model_format":'
-                  b'"gguf"}', raw: bytes | None = None, headers: dict[str, str] | None = None) -> bytes:
+    def add_model(
+        self,
+        repo: str,
+        tag: str,
+        layers: list[tuple[str, bytes]],
+        config: bytes = b'{"model_format":"gguf"}',
+        raw: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> bytes:
         for _media, data in layers:
             self.blobs[digest_of(data)] = data
         self.blobs[digest_of(config)] = config
@@ -124,12 +131,25 @@ class FakeRegistry:
                 break
         await self.handle(record, scope["method"], path, query, headers, body, send)
 
-    async def respond(self, record: Seen, send: Send, status: int, body: bytes = b"",
-                      headers: dict[str, str] | None = None, *, length: int | None = None) -> None:
+    async def respond(
+        self,
+        record: Seen,
+        send: Send,
+        status: int,
+        body: bytes = b"",
+        headers: dict[str, str] | None = None,
+        *,
+        length: int | None = None,
+    ) -> None:
         record.status = status
         h = {"content-length": str(len(body) if length is None else length), **(headers or {})}
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(k.encode(), v.encode()) for k, v in h.items()]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(k.encode(), v.encode()) for k, v in h.items()],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
         record.sent += len(body)
 
@@ -143,8 +163,9 @@ class FakeRegistry:
         expected = base64.b64encode(f"{self.basic[0]}:{self.basic[1]}".encode()).decode()
         return auth == f"Basic {expected}"
 
-    async def handle(self, record: Seen, method: str, path: str, query: str, headers: dict[str, str], body: bytes,
-                     send: Send) -> None:
+    async def handle(
+        self, record: Seen, method: str, path: str, query: str, headers: dict[str, str], body: bytes, send: Send
+    ) -> None:
         if path == "/token":
             return await self.token(record, headers, send)
         if not self.authorized(headers):
@@ -154,8 +175,9 @@ class FakeRegistry:
                 challenge = f'Bearer realm="{realm}",service="fake",scope="repository:x:pull"'
             else:
                 challenge = 'Basic realm="fake"'
-            return await self.respond(record, send, 401, b'{"errors":[{"code":"UNAUTHORIZED"}]}',
-                                      {"www-authenticate": challenge})
+            return await self.respond(
+                record, send, 401, b'{"errors":[{"code":"UNAUTHORIZED"}]}', {"www-authenticate": challenge}
+            )
         if path == "/v2/":
             return await self.respond(record, send, 200, b"{}")
         if m := _UPLOADS.fullmatch(path):
@@ -176,8 +198,9 @@ class FakeRegistry:
         body = self.token_body if self.token_body is not None else json.dumps({"token": self.bearer_token}).encode()
         await self.respond(record, send, 200, body, {"content-type": "application/json"})
 
-    async def manifest(self, record: Seen, method: str, repo: str, tag: str, headers: dict[str, str], body: bytes,
-                       send: Send) -> None:
+    async def manifest(
+        self, record: Seen, method: str, repo: str, tag: str, headers: dict[str, str], body: bytes, send: Send
+    ) -> None:
         if method == "PUT":
             self.manifests[(repo, tag)] = (body, {"content-type": headers.get("content-type", MANIFEST_TYPE)})
             return await self.respond(record, send, 201, b"", {"docker-content-digest": digest_of(body)})
@@ -186,9 +209,14 @@ class FakeRegistry:
             return await self.respond(record, send, 404, b'{"errors":[{"code":"MANIFEST_UNKNOWN"}]}')
         raw, extra = entry
         length = extra.get("content-length")
-        await self.respond(record, send, 200, raw if method == "GET" else b"",
-                           {k: v for k, v in extra.items() if k != "content-length"},
-                           length=int(length) if length else len(raw))
+        await self.respond(
+            record,
+            send,
+            200,
+            raw if method == "GET" else b"",
+            {k: v for k, v in extra.items() if k != "content-length"},
+            length=int(length) if length else len(raw),
+        )
 
     async def blob(self, record: Seen, method: str, digest: str, headers: dict[str, str], send: Send) -> None:
         data = self.blobs.get(digest)
@@ -217,9 +245,15 @@ class FakeRegistry:
         reply = self.blob_reply(data, headers.get("range")) if self.blob_reply is not None else None
         if reply is not None:
             return await send_raw(record, send, *reply)
-        await serve_bytes(record, send, data, headers.get("range"), ignore_range=self.ignore_range,
-                          throttle=self.slow_rate if slow else self.throttle,
-                          stall=self.stall_seconds if stall else 0.0)
+        await serve_bytes(
+            record,
+            send,
+            data,
+            headers.get("range"),
+            ignore_range=self.ignore_range,
+            throttle=self.slow_rate if slow else self.throttle,
+            stall=self.stall_seconds if stall else 0.0,
+        )
 
     async def upload(self, record: Seen, method: str, upload_id: str, query: str, body: bytes, send: Send) -> None:
         if method == "POST":
@@ -239,8 +273,9 @@ class FakeRegistry:
             if fail:
                 return await self.respond(record, send, 503, b'{"errors":[{"code":"UNAVAILABLE"}]}')
             buf += body
-            return await self.respond(record, send, 202, b"", {"location": f"/v2/x/y/blobs/uploads/{upload_id}",
-                                                              "range": f"0-{len(buf) - 1}"})
+            return await self.respond(
+                record, send, 202, b"", {"location": f"/v2/x/y/blobs/uploads/{upload_id}", "range": f"0-{len(buf) - 1}"}
+            )
         if method == "PUT":
             buf += body
             digest = dict(p.split("=", 1) for p in query.split("&") if "=" in p).get("digest", "")
@@ -252,8 +287,16 @@ class FakeRegistry:
         await self.respond(record, send, 405)
 
 
-async def serve_bytes(record: Seen, send: Send, data: bytes, range_header: str | None, *, ignore_range: bool = False,
-                      throttle: float | None = None, stall: float = 0.0) -> None:
+async def serve_bytes(
+    record: Seen,
+    send: Send,
+    data: bytes,
+    range_header: str | None,
+    *,
+    ignore_range: bool = False,
+    throttle: float | None = None,
+    stall: float = 0.0,
+) -> None:
     """A blob body: the asked range (206) or the whole (200), throttled or stalling if asked."""
     start, end, status = 0, len(data) - 1, 200
     headers = {"content-type": "application/octet-stream", "accept-ranges": "bytes"}
@@ -267,8 +310,13 @@ async def serve_bytes(record: Seen, send: Send, data: bytes, range_header: str |
     body = data[start : end + 1]
     headers["content-length"] = str(len(body))
     record.status = status
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+        }
+    )
     step = 64 * 1024
     began = time.monotonic()
     for i in range(0, len(body), step):
@@ -288,8 +336,13 @@ async def serve_bytes(record: Seen, send: Send, data: bytes, range_header: str |
 async def send_raw(record: Seen, send: Send, status: int, headers: dict[str, str], body: bytes) -> None:
     """A response exactly as given (chunked when ``headers`` has no content-length)."""
     record.status = status
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+        }
+    )
     await send({"type": "http.response.body", "body": body, "more_body": True})
     record.sent += len(body)
     await send({"type": "http.response.body", "body": b""})
@@ -337,8 +390,15 @@ class ServerThread:
         self.port = int(self.sock.getsockname()[1])
         self.host = f"127.0.0.1:{self.port}"
         self.url = f"{'https' if certfile else 'http'}://{self.host}"
-        config = uvicorn.Config(app, log_level="critical", lifespan="off", access_log=False,
-                                timeout_graceful_shutdown=1, ssl_certfile=certfile, ssl_keyfile=keyfile)
+        config = uvicorn.Config(
+            app,
+            log_level="critical",
+            lifespan="off",
+            access_log=False,
+            timeout_graceful_shutdown=1,
+            ssl_certfile=certfile,
+            ssl_keyfile=keyfile,
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

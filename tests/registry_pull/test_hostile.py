@@ -40,14 +40,20 @@ from tests.registry_pull.fake_registry import (
     digest_of,
 )
 
-FAST = Tuning(streams=4, part_size=64 * 1024, backoff=0.01, read_timeout=2.0, save_interval=0.05,
-              buffer=16 * 1024)
+FAST = Tuning(streams=4, part_size=64 * 1024, backoff=0.01, read_timeout=2.0, save_interval=0.05, buffer=16 * 1024)
 CONFIG = b'{"model_format":"gguf"}'
 
 
 def make_puller(store: Store, downloads: Downloads | None = None, **kw: Any) -> Puller:
-    return Puller(store, downloads or Downloads(), threading.RLock(), prune=True, tuning=kw.pop("tuning", FAST),
-                  interval=0.01, **kw)
+    return Puller(
+        store,
+        downloads or Downloads(),
+        threading.RLock(),
+        prune=True,
+        tuning=kw.pop("tuning", FAST),
+        interval=0.01,
+        **kw,
+    )
 
 
 def pull(store: Store, name: str, **kw: Any) -> list[dict[str, Any]]:
@@ -55,8 +61,7 @@ def pull(store: Store, name: str, **kw: Any) -> list[dict[str, Any]]:
     return list(make_puller(store, **kw).run(name, insecure=insecure))
 
 
-def assert_nothing_visible(store: Store, *, allow_blobs: frozenset[str] = frozenset(),
-                           partials: bool = False) -> None:
+def assert_nothing_visible(store: Store, *, allow_blobs: frozenset[str] = frozenset(), partials: bool = False) -> None:
     """No model, and no blob but ``allow_blobs`` (each hashing to its name); partial downloads only if allowed
     (a pull that failed on the network keeps them for resuming)."""
     assert store.list_models() == []
@@ -109,8 +114,9 @@ def test_pull_from_fake_registry(fake: tuple[FakeRegistry, ServerThread], store:
     assert len(registry.requests("GET", digest_of(data))) >= 4
 
 
-def test_pull_without_splice(fake: tuple[FakeRegistry, ServerThread], store: Store,
-                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pull_without_splice(
+    fake: tuple[FakeRegistry, ServerThread], store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The readinto + pwrite path (TLS, chunked bodies, other systems) on its own."""
     import registry.fetch
 
@@ -133,9 +139,28 @@ def test_pull_over_tls(store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyP
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
-                    "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out",
-                    str(cert)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     monkeypatch.setattr(registry.remote, "ssl_context", lambda: ssl.create_default_context(cafile=str(cert)))
     reg = FakeRegistry()
     data = os.urandom(300_000)
@@ -157,8 +182,14 @@ def test_blobs_already_present_are_not_fetched_again(fake: tuple[FakeRegistry, S
     lines = pull(store, f"{server.host}/ns/m:a")
     assert registry.requests("GET", "/blobs/") == []
     done = [line for line in lines if line.get("digest") == digest_of(data)]
-    assert done == [{"status": f"pulling {digest_of(data)[7:19]}", "digest": digest_of(data), "total": len(data),
-                     "completed": len(data)}]
+    assert done == [
+        {
+            "status": f"pulling {digest_of(data)[7:19]}",
+            "digest": digest_of(data),
+            "total": len(data),
+            "completed": len(data),
+        }
+    ]
 
 
 def test_two_pulls_of_one_blob_share_a_download(fake: tuple[FakeRegistry, ServerThread], store: Store) -> None:
@@ -184,18 +215,31 @@ def test_two_pulls_of_one_blob_share_a_download(fake: tuple[FakeRegistry, Server
 
 
 # -- manifests ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bad", [
-    "sha256:../../../../tmp/evil", "sha256:" + "a" * 63, "sha256:" + "a" * 65, "sha256:" + "A" * 64,
-    "sha512:" + "a" * 128, "", "sha256-" + "a" * 64, "sha256:..%2f..%2f" + "a" * 58, None,
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "sha256:../../../../tmp/evil",
+        "sha256:" + "a" * 63,
+        "sha256:" + "a" * 65,
+        "sha256:" + "A" * 64,
+        "sha512:" + "a" * 128,
+        "",
+        "sha256-" + "a" * 64,
+        "sha256:..%2f..%2f" + "a" * 58,
+        None,
+    ],
+)
 @pytest.mark.parametrize("where", ["layer", "config"])
-def test_invalid_digests_are_refused_before_any_path(fake: tuple[FakeRegistry, ServerThread], store: Store,
-                                                     tmp_path: Path, bad: str | None, where: str) -> None:
+def test_invalid_digests_are_refused_before_any_path(
+    fake: tuple[FakeRegistry, ServerThread], store: Store, tmp_path: Path, bad: str | None, where: str
+) -> None:
     registry, server = fake
     entry = {"mediaType": MODEL_TYPE, "digest": bad, "size": 5}
     good_layer = {"mediaType": MODEL_TYPE, "digest": digest_of(b"hello"), "size": 5}
-    raw = raw_manifest({**good_config(), "digest": bad} if where == "config" else good_config(),
-                       [entry] if where == "layer" else [good_layer])
+    raw = raw_manifest(
+        {**good_config(), "digest": bad} if where == "config" else good_config(),
+        [entry] if where == "layer" else [good_layer],
+    )
     registry.add_model("ns/evil", "latest", [(MODEL_TYPE, b"hello")], raw=raw)
     with pytest.raises(RegistryProtocolError, match="invalid manifest.*invalid digest"):
         pull(store, f"{server.host}/ns/evil")
@@ -204,26 +248,40 @@ def test_invalid_digests_are_refused_before_any_path(fake: tuple[FakeRegistry, S
     assert_nothing_visible(store)
 
 
-@pytest.mark.parametrize(("raw", "message"), [
-    (raw_manifest(good_config(), []), "has no layers"),
-    (raw_manifest(good_config(), None), "no layers list"),
-    (raw_manifest(None, [{"mediaType": MODEL_TYPE, "digest": digest_of(b"x"), "size": 1}]), "config must be"),
-    (raw_manifest(good_config(), [{"mediaType": MODEL_TYPE, "digest": digest_of(b"x"), "size": -1}]),
-     "invalid size -1"),
-    (raw_manifest(good_config(), [{"mediaType": MODEL_TYPE, "digest": digest_of(b"x"), "size": 1 << 60}]),
-     "invalid size"),
-    (raw_manifest(good_config(), [{"mediaType": MODEL_TYPE, "digest": digest_of(b"x"), "size": "1"}]),
-     "invalid size"),
-    (raw_manifest(good_config(), [{"mediaType": MODEL_TYPE, "digest": digest_of(b"x"), "size": 1}] * 2),
-     "more than once"),
-    (raw_manifest(good_config(), [{"mediaType": MODEL_TYPE, "digest": digest_of(CONFIG), "size": len(CONFIG)}]),
-     "more than once"),
-    (b"not json", "not valid JSON"),
-    (b"[]", "must be a JSON object"),
-    (json.dumps({"schemaVersion": 1}).encode(), "schemaVersion"),
-])
-def test_malformed_manifests_give_clear_errors(fake: tuple[FakeRegistry, ServerThread], store: Store, raw: bytes,
-                                               message: str) -> None:
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (raw_manifest(good_config(), []), "has no layers"),
+        (raw_manifest(good_config(), None), "no layers list"),
+        (raw_manifest(None, [{"mediaType": MODEL_TYPE, "digest": digest_of(b"x"), "size": 1}]), "config must be"),
+        (
+            raw_manifest(good_config(), [{"mediaType": MODEL_TYPE, "digest": digest_of(b"x"), "size": -1}]),
+            "invalid size -1",
+        ),
+        (
+            raw_manifest(good_config(), [{"mediaType": MODEL_TYPE, "digest": digest_of(b"x"), "size": 1 << 60}]),
+            "invalid size",
+        ),
+        (
+            raw_manifest(good_config(), [{"mediaType": MODEL_TYPE, "digest": digest_of(b"x"), "size": "1"}]),
+            "invalid size",
+        ),
+        (
+            raw_manifest(good_config(), [{"mediaType": MODEL_TYPE, "digest": digest_of(b"x"), "size": 1}] * 2),
+            "more than once",
+        ),
+        (
+            raw_manifest(good_config(), [{"mediaType": MODEL_TYPE, "digest": digest_of(CONFIG), "size": len(CONFIG)}]),
+            "more than once",
+        ),
+        (b"not json", "not valid JSON"),
+        (b"[]", "must be a JSON object"),
+        (json.dumps({"schemaVersion": 1}).encode(), "schemaVersion"),
+    ],
+)
+def test_malformed_manifests_give_clear_errors(
+    fake: tuple[FakeRegistry, ServerThread], store: Store, raw: bytes, message: str
+) -> None:
     registry, server = fake
     registry.add_model("ns/m", "latest", [(MODEL_TYPE, b"x")], raw=raw)
     with pytest.raises(RegistryProtocolError, match=message):
@@ -255,8 +313,9 @@ def test_manifest_digest_header_must_match(fake: tuple[FakeRegistry, ServerThrea
 
 def test_image_index_is_refused(fake: tuple[FakeRegistry, ServerThread], store: Store) -> None:
     registry, server = fake
-    registry.add_model("ns/m", "latest", [(MODEL_TYPE, b"x")],
-                       headers={"content-type": "application/vnd.oci.image.index.v1+json"})
+    registry.add_model(
+        "ns/m", "latest", [(MODEL_TYPE, b"x")], headers={"content-type": "application/vnd.oci.image.index.v1+json"}
+    )
     with pytest.raises(RegistryProtocolError, match="image index"):
         pull(store, f"{server.host}/ns/m")
 
@@ -285,8 +344,12 @@ def test_digest_mismatch_discards_the_bytes(fake: tuple[FakeRegistry, ServerThre
     data = os.urandom(200_000)
     registry.add_model("ns/m", "latest", [(MODEL_TYPE, data)])
     registry.corrupt.add(digest_of(data))
-    with pytest.raises(BlobDigestMismatch, match=r"^digest mismatch, file must be downloaded again: want "
-                       + digest_of(data) + ", got sha256:[0-9a-f]{64}$"):
+    with pytest.raises(
+        BlobDigestMismatch,
+        match=r"^digest mismatch, file must be downloaded again: want "
+        + digest_of(data)
+        + ", got sha256:[0-9a-f]{64}$",
+    ):
         pull(store, f"{server.host}/ns/m")
     assert_nothing_visible(store, allow_blobs=frozenset({digest_of(CONFIG)}))
 
@@ -342,8 +405,11 @@ def test_a_crawling_part_is_restarted(fake: tuple[FakeRegistry, ServerThread], s
     assert pull(store, f"{server.host}/ns/m", tuning=tuning)[-1] == {"status": "success"}
     assert time.monotonic() - started < 8
     assert store.blob_path(Digest.parse(digest_of(data))).read_bytes() == data
-    first_part = [s.headers["range"] for s in registry.requests("GET", digest_of(data))
-                  if s.headers["range"].endswith(f"-{256 * 1024 - 1}")]
+    first_part = [
+        s.headers["range"]
+        for s in registry.requests("GET", digest_of(data))
+        if s.headers["range"].endswith(f"-{256 * 1024 - 1}")
+    ]
     assert first_part[0] == f"bytes=0-{256 * 1024 - 1}" and len(first_part) == 2  # cut off, then asked again
 
 
@@ -361,15 +427,19 @@ def test_not_enough_disk_space(fake: tuple[FakeRegistry, ServerThread], store: S
 
 
 # -- redirects and credentials -----------------------------------------------------------------------------------
-@pytest.mark.parametrize(("location", "error", "message"), [
-    ("file:///etc/passwd", RegistryProtocolError, "only http"),
-    ("gopher://127.0.0.1:70/x", RegistryProtocolError, "only http"),
-    ("http://169.254.169.254/latest/meta-data/", RegistryProtocolError, "link-local"),
-    ("//[fe80::1]/x", RegistryProtocolError, "link-local"),
-    ("http://corral-test-nowhere.invalid/blob", RegistryProtocolError, "does not resolve"),
-])
-def test_bad_blob_redirects_are_refused(fake: tuple[FakeRegistry, ServerThread], store: Store, location: str,
-                                        error: type[CorralError], message: str) -> None:
+@pytest.mark.parametrize(
+    ("location", "error", "message"),
+    [
+        ("file:///etc/passwd", RegistryProtocolError, "only http"),
+        ("gopher://127.0.0.1:70/x", RegistryProtocolError, "only http"),
+        ("http://169.254.169.254/latest/meta-data/", RegistryProtocolError, "link-local"),
+        ("//[fe80::1]/x", RegistryProtocolError, "link-local"),
+        ("http://corral-test-nowhere.invalid/blob", RegistryProtocolError, "does not resolve"),
+    ],
+)
+def test_bad_blob_redirects_are_refused(
+    fake: tuple[FakeRegistry, ServerThread], store: Store, location: str, error: type[CorralError], message: str
+) -> None:
     registry, server = fake
     registry.add_model("ns/m", "latest", [(MODEL_TYPE, os.urandom(1000))])
     registry.redirect_location = location
@@ -378,8 +448,9 @@ def test_bad_blob_redirects_are_refused(fake: tuple[FakeRegistry, ServerThread],
     assert_nothing_visible(store)
 
 
-def test_blob_redirect_to_another_host_gets_no_credentials(fake: tuple[FakeRegistry, ServerThread],
-                                                           store: Store, tmp_path: Path) -> None:
+def test_blob_redirect_to_another_host_gets_no_credentials(
+    fake: tuple[FakeRegistry, ServerThread], store: Store, tmp_path: Path
+) -> None:
     registry, server = fake
     data = os.urandom(300_000)
     registry.add_model("ns/m", "latest", [(MODEL_TYPE, data)])
@@ -401,7 +472,7 @@ def test_bearer_token_flow(fake: tuple[FakeRegistry, ServerThread], store: Store
     registry.bearer_token = "tok-123"
     registry.basic = ("alice", "pw")
     auth = tmp_path / "auth.json"
-    with pytest.raises(RegistryUnauthorized, match=f'corral login {server.host}'):
+    with pytest.raises(RegistryUnauthorized, match=f"corral login {server.host}"):
         pull(store, f"{server.host}/ns/m")
     from registry.credentials import Credentials, save
 
@@ -431,8 +502,9 @@ def test_an_expired_token_is_renewed(fake: tuple[FakeRegistry, ServerThread], st
     assert store.blob_path(Digest.parse(digest_of(data))).read_bytes() == data
 
 
-def test_token_realm_on_another_host_is_refused(fake: tuple[FakeRegistry, ServerThread], store: Store,
-                                                tmp_path: Path) -> None:
+def test_token_realm_on_another_host_is_refused(
+    fake: tuple[FakeRegistry, ServerThread], store: Store, tmp_path: Path
+) -> None:
     registry, server = fake
     registry.add_model("ns/m", "latest", [(MODEL_TYPE, b"x")])
     registry.bearer_token = "tok"
@@ -447,8 +519,9 @@ def test_token_realm_on_another_host_is_refused(fake: tuple[FakeRegistry, Server
     assert evil.seen == []
 
 
-def test_token_realm_on_another_port_of_the_same_host_is_refused(fake: tuple[FakeRegistry, ServerThread],
-                                                                 store: Store, tmp_path: Path) -> None:
+def test_token_realm_on_another_port_of_the_same_host_is_refused(
+    fake: tuple[FakeRegistry, ServerThread], store: Store, tmp_path: Path
+) -> None:
     """127.0.0.1:<other port> is another server (any local user may run one): it must not get the password."""
     registry, server = fake
     registry.add_model("ns/m", "latest", [(MODEL_TYPE, b"x")])

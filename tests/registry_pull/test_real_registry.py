@@ -39,8 +39,16 @@ def create_tiny(d: Daemon, gguf: Path, name: str) -> None:
     digest = "sha256:" + hashlib.sha256(gguf.read_bytes()).hexdigest()
     with d.client() as c:
         assert c.post(f"/api/blobs/{digest}", content=gguf.read_bytes()).status_code == 201
-        r = c.post("/api/create", json={"model": name, "files": {gguf.name: digest}, "system": "be brief",
-                                        "parameters": {"temperature": 0.5}, "stream": False})
+        r = c.post(
+            "/api/create",
+            json={
+                "model": name,
+                "files": {gguf.name: digest},
+                "system": "be brief",
+                "parameters": {"temperature": 0.5},
+                "stream": False,
+            },
+        )
         assert r.status_code == 200, r.text
 
 
@@ -63,8 +71,11 @@ def put_blob(registry_url: str, repo: str, data: bytes) -> str:
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
     with httpx.Client(base_url=registry_url, timeout=60) as c:
         loc = httpx.URL(c.post(f"/v2/{repo}/blobs/uploads/").headers["location"])
-        r = c.put(loc.copy_merge_params({"digest": digest}), content=data,
-                  headers={"Content-Type": "application/octet-stream"})
+        r = c.put(
+            loc.copy_merge_params({"digest": digest}),
+            content=data,
+            headers={"Content-Type": "application/octet-stream"},
+        )
         assert r.status_code == 201, r.text
     return digest
 
@@ -74,13 +85,19 @@ def put_model(registry_url: str, repo: str, tag: str, layer: bytes) -> bytes:
     doc = {
         "schemaVersion": 2,
         "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
-        "config": {"mediaType": "application/vnd.docker.container.image.v1+json",
-                   "digest": put_blob(registry_url, repo, config), "size": len(config)},
+        "config": {
+            "mediaType": "application/vnd.docker.container.image.v1+json",
+            "digest": put_blob(registry_url, repo, config),
+            "size": len(config),
+        },
         "layers": [{"mediaType": MODEL_TYPE, "digest": put_blob(registry_url, repo, layer), "size": len(layer)}],
     }
     raw = json.dumps(doc).encode()
-    r = httpx.put(f"{registry_url}/v2/{repo}/manifests/{tag}", content=raw,
-                  headers={"Content-Type": "application/vnd.docker.distribution.manifest.v2+json"})
+    r = httpx.put(
+        f"{registry_url}/v2/{repo}/manifests/{tag}",
+        content=raw,
+        headers={"Content-Type": "application/vnd.docker.distribution.manifest.v2+json"},
+    )
     assert r.status_code == 201, r.text
     return raw
 
@@ -92,8 +109,9 @@ def proxy(docker_registry: RealRegistry) -> Any:
     p.close()
 
 
-def test_push_delete_pull_back_and_run(docker_registry: RealRegistry, proxy: TCPProxy, rdaemon: Daemon,
-                                       tmp_path: Path) -> None:
+def test_push_delete_pull_back_and_run(
+    docker_registry: RealRegistry, proxy: TCPProxy, rdaemon: Daemon, tmp_path: Path
+) -> None:
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
     name = f"{docker_registry.host}/test/tiny:v1"
     create_tiny(rdaemon, gguf, "tiny")
@@ -107,8 +125,10 @@ def test_push_delete_pull_back_and_run(docker_registry: RealRegistry, proxy: TCP
     assert statuses[0] == "retrieving manifest" and statuses[-2:] == ["pushing manifest", "success"], lines
     pushed = {line["digest"] for line in lines if line.get("status", "").startswith("pushing ") and "digest" in line}
     assert pushed == set(blobs)
-    r = httpx.get(f"{docker_registry.url}/v2/test/tiny/manifests/v1",
-                  headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"})
+    r = httpx.get(
+        f"{docker_registry.url}/v2/test/tiny/manifests/v1",
+        headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"},
+    )
     assert r.status_code == 200
     assert hashlib.sha256(r.content).hexdigest() == before["digest"]  # the registry holds our bytes
 
@@ -128,8 +148,11 @@ def test_push_delete_pull_back_and_run(docker_registry: RealRegistry, proxy: TCP
         path = rdaemon.models / "blobs" / digest.replace(":", "-")
         assert "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest() == digest
     with rdaemon.client() as c:
-        r = c.post("/api/generate", timeout=120, json={"model": name, "prompt": "hello", "stream": False,
-                                                       "options": {"num_predict": 4, "num_ctx": 256}})
+        r = c.post(
+            "/api/generate",
+            timeout=120,
+            json={"model": name, "prompt": "hello", "stream": False, "options": {"num_predict": 4, "num_ctx": 256}},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["done"] is True and r.json()["eval_count"] >= 1
         show = c.post("/api/show", json={"model": name}).json()
@@ -143,8 +166,10 @@ def test_push_delete_pull_back_and_run(docker_registry: RealRegistry, proxy: TCP
     lines = ndjson(rdaemon, "/api/push", {"model": again, "insecure": True})
     assert lines[-1] == {"status": "success"}
     assert proxy.up < 20_000 < gguf.stat().st_size
-    r = httpx.get(f"{docker_registry.url}/v2/test/tiny/manifests/v2",
-                  headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"})
+    r = httpx.get(
+        f"{docker_registry.url}/v2/test/tiny/manifests/v2",
+        headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"},
+    )
     assert r.status_code == 200 and hashlib.sha256(r.content).hexdigest() == before["digest"]
 
 
@@ -156,8 +181,9 @@ def test_plain_http_registry_needs_insecure(docker_registry: RealRegistry, rdaem
     assert line == {"http_status": 404, "error": "pull model manifest: file does not exist"}
 
 
-def test_killed_pull_resumes_fetching_only_what_is_missing(docker_registry: RealRegistry, proxy: TCPProxy,
-                                                           tmp_path: Path) -> None:
+def test_killed_pull_resumes_fetching_only_what_is_missing(
+    docker_registry: RealRegistry, proxy: TCPProxy, tmp_path: Path
+) -> None:
     size = 128 * 1024 * 1024
     layer = os.urandom(size)
     put_model(docker_registry.url, "test/big", "latest", layer)
@@ -243,8 +269,10 @@ def test_login_push_pull_with_basic_auth(htpasswd_registry: RealRegistry, rdaemo
 
     result = rdaemon.cli("push", name, "--insecure")
     assert result.returncode == 1
-    assert f'unauthorized: access denied to {host}/alice/tiny; if it needs a login, run "corral login {host}"' \
+    assert (
+        f'unauthorized: access denied to {host}/alice/tiny; if it needs a login, run "corral login {host}"'
         in result.stderr
+    )
 
     result = rdaemon.cli("login", host, "--insecure", "-u", "alice", "--password-stdin", input="wrong\n")
     assert result.returncode == 1 and "unauthorized" in result.stderr

@@ -32,8 +32,7 @@ from tests.registry_pull.test_hostile import CONFIG, FAST, assert_nothing_visibl
 
 PART = 64 * 1024  # FAST's part size
 SIZE = 300_000  # five parts
-ONE_STREAM = Tuning(streams=1, part_size=PART, backoff=0.01, read_timeout=2.0, save_interval=0.05,
-                    buffer=16 * 1024)
+ONE_STREAM = Tuning(streams=1, part_size=PART, backoff=0.01, read_timeout=2.0, save_interval=0.05, buffer=16 * 1024)
 
 Reply = tuple[int, dict[str, str], bytes]
 
@@ -60,8 +59,7 @@ def seed_partial(store: Store, data: bytes, *, garbage: bool = False) -> int:
     for off, _size, got in parts:
         body[off : off + got] = os.urandom(got) if garbage else data[off : off + got]
     store.partial_path(digest).write_bytes(bytes(body))
-    store.partial_state_path(digest).write_text(json.dumps({"digest": str(digest), "total": len(data),
-                                                            "parts": parts}))
+    store.partial_state_path(digest).write_text(json.dumps({"digest": str(digest), "total": len(data), "parts": parts}))
     return sum(p[2] for p in parts)
 
 
@@ -76,8 +74,9 @@ def no_partials(store: Store) -> bool:
 
 # -- a registry that ignores Range ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("garbage", [False, True], ids=["good-partial", "garbage-partial"])
-def test_resume_from_a_registry_that_ignores_ranges(fake: tuple[FakeRegistry, ServerThread], store: Store,
-                                                    garbage: bool) -> None:
+def test_resume_from_a_registry_that_ignores_ranges(
+    fake: tuple[FakeRegistry, ServerThread], store: Store, garbage: bool
+) -> None:
     """The resumed request gets a 200 with the whole blob: start again from byte 0. The first whole-blob answer is
     cut off half-way; its retry (a ranged request, answered 200 again) starts the blob once more from byte 0."""
     registry, server = fake
@@ -108,7 +107,8 @@ def test_resume_from_a_registry_that_ignores_ranges(fake: tuple[FakeRegistry, Se
 
 
 def test_a_registry_that_ignores_ranges_and_keeps_dropping_gives_a_clear_error(
-        fake: tuple[FakeRegistry, ServerThread], store: Store) -> None:
+    fake: tuple[FakeRegistry, ServerThread], store: Store
+) -> None:
     registry, server = fake
     data = os.urandom(SIZE)
     registry.add_model("ns/m", "latest", [(MODEL_TYPE, data)])
@@ -157,7 +157,8 @@ BAD_ANSWERS = {
 
 @pytest.mark.parametrize("answer", list(BAD_ANSWERS))
 def test_wrong_length_on_resume_is_a_protocol_error_and_the_next_pull_resumes(
-        fake: tuple[FakeRegistry, ServerThread], store: Store, answer: str) -> None:
+    fake: tuple[FakeRegistry, ServerThread], store: Store, answer: str
+) -> None:
     registry, server = fake
     data = os.urandom(SIZE)
     registry.add_model("ns/m", "latest", [(MODEL_TYPE, data)])
@@ -180,8 +181,9 @@ def test_wrong_length_on_resume_is_a_protocol_error_and_the_next_pull_resumes(
 
 
 @pytest.mark.parametrize("answer", list(BAD_ANSWERS))
-def test_wrong_length_on_a_fresh_pull_leaves_nothing(fake: tuple[FakeRegistry, ServerThread], store: Store,
-                                                     answer: str) -> None:
+def test_wrong_length_on_a_fresh_pull_leaves_nothing(
+    fake: tuple[FakeRegistry, ServerThread], store: Store, answer: str
+) -> None:
     registry, server = fake
     data = os.urandom(SIZE)
     registry.add_model("ns/m", "latest", [(MODEL_TYPE, data)])

@@ -35,22 +35,32 @@ MiB = 1024 * 1024
 
 # -- challenges --------------------------------------------------------------------------------------------------
 def test_parse_challenge() -> None:
-    assert parse_challenge('Bearer realm="https://r.example/token",service="r.example",scope="repository:a/b:pull"') \
-        == ("bearer", {"realm": "https://r.example/token", "service": "r.example", "scope": "repository:a/b:pull"})
+    assert parse_challenge(
+        'Bearer realm="https://r.example/token",service="r.example",scope="repository:a/b:pull"'
+    ) == ("bearer", {"realm": "https://r.example/token", "service": "r.example", "scope": "repository:a/b:pull"})
     assert parse_challenge('Basic realm="Registry Realm"') == ("basic", {"realm": "Registry Realm"})
-    assert parse_challenge('bearer realm="a\\"b", error=invalid_token') == ("bearer", {"realm": 'a"b',
-                                                                                      "error": "invalid_token"})
+    assert parse_challenge('bearer realm="a\\"b", error=invalid_token') == (
+        "bearer",
+        {"realm": 'a"b', "error": "invalid_token"},
+    )
     assert parse_challenge("Bearer") == ("bearer", {})
 
 
 # -- credentials -------------------------------------------------------------------------------------------------
 def test_credentials_files(tmp_path: Path) -> None:
     docker = tmp_path / "config.json"
-    docker.write_text(json.dumps({"auths": {
-        "https://index.docker.io/v1/": {"auth": base64.b64encode(b"hub:pw").decode()},
-        "http://127.0.0.1:5000": {"username": "u", "password": "p:with:colons"},
-        "other.example": {"identitytoken": "x"},
-    }, "credsStore": "desktop"}))
+    docker.write_text(
+        json.dumps(
+            {
+                "auths": {
+                    "https://index.docker.io/v1/": {"auth": base64.b64encode(b"hub:pw").decode()},
+                    "http://127.0.0.1:5000": {"username": "u", "password": "p:with:colons"},
+                    "other.example": {"identitytoken": "x"},
+                },
+                "credsStore": "desktop",
+            }
+        )
+    )
     assert lookup("index.docker.io", [docker]) == Credentials("hub", "pw")
     assert lookup("127.0.0.1:5000", [docker]) == Credentials("u", "p:with:colons")
     assert lookup("other.example", [docker]) is None
@@ -69,8 +79,16 @@ def test_credentials_files(tmp_path: Path) -> None:
     assert registry_key("https://Reg.Example/v1/") == "reg.example"
 
 
-@pytest.mark.parametrize("content", ["not json", "[]", '{"auths": []}', '{"auths": {"h": {"auth": "%%%"}}}',
-                                     '{"auths": {"h": {"auth": "bm9jb2xvbg=="}}}'])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "not json",
+        "[]",
+        '{"auths": []}',
+        '{"auths": {"h": {"auth": "%%%"}}}',
+        '{"auths": {"h": {"auth": "bm9jb2xvbg=="}}}',
+    ],
+)
 def test_bad_credentials_files(tmp_path: Path, content: str) -> None:
     path = tmp_path / "auth.json"
     path.write_text(content)
@@ -87,8 +105,12 @@ def test_auth_file_search_order(tmp_path: Path) -> None:
 
 # -- URL rules ---------------------------------------------------------------------------------------------------
 def public_policy(insecure: bool = False) -> URLPolicy:
-    table = {"registry.example": ["93.184.215.14"], "cdn.example": ["104.16.0.1"], "sneaky.example": ["10.1.2.3"],
-             "meta.example": ["169.254.169.254"]}
+    table = {
+        "registry.example": ["93.184.215.14"],
+        "cdn.example": ["104.16.0.1"],
+        "sneaky.example": ["10.1.2.3"],
+        "meta.example": ["169.254.169.254"],
+    }
     return URLPolicy(Origin.of("https://registry.example"), insecure, resolve=lambda host: table.get(host, []))
 
 
@@ -97,10 +119,14 @@ def test_url_policy_for_a_public_registry() -> None:
     assert policy.check("https://cdn.example/blob?sig=1").host == "cdn.example"
     assert policy.check("https://registry.example/v2/x").host == "registry.example"
     for url, message in [
-        ("https://127.0.0.1/x", "internal address"), ("https://localhost:8080/x", "internal address"),
-        ("https://10.0.0.1/x", "internal address"), ("https://sneaky.example/x", "internal address"),
-        ("https://[::1]/x", "internal address"), ("https://meta.example/x", "link-local"),
-        ("https://169.254.169.254/x", "link-local"), ("ftp://cdn.example/x", "only http"),
+        ("https://127.0.0.1/x", "internal address"),
+        ("https://localhost:8080/x", "internal address"),
+        ("https://10.0.0.1/x", "internal address"),
+        ("https://sneaky.example/x", "internal address"),
+        ("https://[::1]/x", "internal address"),
+        ("https://meta.example/x", "link-local"),
+        ("https://169.254.169.254/x", "link-local"),
+        ("ftp://cdn.example/x", "only http"),
         ("file:///etc/passwd", "only http"),
     ]:
         with pytest.raises(RegistryProtocolError, match=message):
@@ -120,14 +146,31 @@ def test_url_policy_for_a_local_registry() -> None:
 def test_url_policy_refuses_every_non_global_address() -> None:
     """Carrier-grade NAT (100.64.0.0/10, where Tailscale lives), ULA, IPv4 inside IPv6, reserved ranges: all
     internal; a name is trusted only if every address it resolves to is allowed."""
-    table = {"registry.example": ["93.184.215.14"], "cgnat.example": ["100.64.1.2"], "ula.example": ["fd12::1"],
-             "mixed.example": ["104.16.0.2", "10.0.0.5"], "mapped.example": ["::ffff:127.0.0.1"],
-             "cdn.example": ["104.16.0.1", "2606:4700::1"]}
+    table = {
+        "registry.example": ["93.184.215.14"],
+        "cgnat.example": ["100.64.1.2"],
+        "ula.example": ["fd12::1"],
+        "mixed.example": ["104.16.0.2", "10.0.0.5"],
+        "mapped.example": ["::ffff:127.0.0.1"],
+        "cdn.example": ["104.16.0.1", "2606:4700::1"],
+    }
     policy = URLPolicy(Origin.of("https://registry.example"), False, resolve=lambda host: table.get(host, []))
-    for url in ["https://100.64.0.1/x", "https://100.127.255.254/x", "https://cgnat.example/x",
-                "https://[fd12::1]/x", "https://ula.example/x", "https://mixed.example/x", "https://mapped.example/x",
-                "https://[::ffff:10.0.0.1]/x", "https://[64:ff9b::a00:1]/x", "https://[2002:a00:1::1]/x",
-                "https://0.0.0.0/x", "https://240.0.0.1/x", "https://198.18.0.1/x", "https://224.0.0.1/x"]:
+    for url in [
+        "https://100.64.0.1/x",
+        "https://100.127.255.254/x",
+        "https://cgnat.example/x",
+        "https://[fd12::1]/x",
+        "https://ula.example/x",
+        "https://mixed.example/x",
+        "https://mapped.example/x",
+        "https://[::ffff:10.0.0.1]/x",
+        "https://[64:ff9b::a00:1]/x",
+        "https://[2002:a00:1::1]/x",
+        "https://0.0.0.0/x",
+        "https://240.0.0.1/x",
+        "https://198.18.0.1/x",
+        "https://224.0.0.1/x",
+    ]:
         with pytest.raises(RegistryProtocolError, match="internal address"):
             policy.check(url)
     with pytest.raises(RegistryProtocolError, match="link-local"):
@@ -154,9 +197,16 @@ def test_origins_normalise_default_ports() -> None:
     assert Origin.of("https://registry.example:80") != Origin.of("http://registry.example:80")
 
 
-@pytest.mark.parametrize("realm", ["https://registry.example:8443/token", "https://registry.example:80/token",
-                                   "http://registry.example/token", "https://auth.registry.example/token",
-                                   "https://registry.example.evil.example/token"])
+@pytest.mark.parametrize(
+    "realm",
+    [
+        "https://registry.example:8443/token",
+        "https://registry.example:80/token",
+        "http://registry.example/token",
+        "https://auth.registry.example/token",
+        "https://registry.example.evil.example/token",
+    ],
+)
 def test_token_realm_must_be_the_registry_origin(realm: str) -> None:
     """A realm on the registry's host but another port (or scheme) is another server: no credentials go there."""
     sent: list[httpx.Request] = []
@@ -167,8 +217,11 @@ def test_token_realm_must_be_the_registry_origin(realm: str) -> None:
             return httpx.Response(200, json={"token": "t"})
         return httpx.Response(401, headers={"www-authenticate": f'Bearer realm="{realm}",service="r"'})
 
-    client = RegistryClient(ModelName.parse("registry.example/ns/m"), credentials=Credentials("alice", "pw"),
-                            transport=httpx.MockTransport(handler))
+    client = RegistryClient(
+        ModelName.parse("registry.example/ns/m"),
+        credentials=Credentials("alice", "pw"),
+        transport=httpx.MockTransport(handler),
+    )
     try:
         with pytest.raises((RegistryProtocolError, InsecureRegistry), match="token|plain-HTTP"):
             client.get_manifest()
@@ -185,12 +238,16 @@ def test_token_realm_on_the_registry_origin_is_used() -> None:
         if request.url.path == "/token":
             return httpx.Response(200, json={"token": "t"})
         if request.headers.get("authorization") != "Bearer t":
-            return httpx.Response(401, headers={
-                "www-authenticate": 'Bearer realm="https://registry.example:443/token",service="r"'})
+            return httpx.Response(
+                401, headers={"www-authenticate": 'Bearer realm="https://registry.example:443/token",service="r"'}
+            )
         return httpx.Response(200, content=b"{}")
 
-    client = RegistryClient(ModelName.parse("registry.example/ns/m"), credentials=Credentials("alice", "pw"),
-                            transport=httpx.MockTransport(handler))
+    client = RegistryClient(
+        ModelName.parse("registry.example/ns/m"),
+        credentials=Credentials("alice", "pw"),
+        transport=httpx.MockTransport(handler),
+    )
     try:
         assert client.get_manifest() == b"{}"
     finally:
@@ -228,8 +285,12 @@ def test_render_progress_plain() -> None:
     last = render_progress(iter(EVENTS), Console(file=buf, force_terminal=False, width=100))
     assert last == {"status": "success"}
     assert buf.getvalue().splitlines() == [
-        "pulling manifest", "pulling bbbbbbbbbbbb 100% 500 B", "pulling aaaaaaaaaaaa 100% 2.0 MB",
-        "verifying sha256 digest", "writing manifest", "success",
+        "pulling manifest",
+        "pulling bbbbbbbbbbbb 100% 500 B",
+        "pulling aaaaaaaaaaaa 100% 2.0 MB",
+        "verifying sha256 digest",
+        "writing manifest",
+        "success",
     ]
 
 
@@ -251,8 +312,9 @@ def test_render_progress_error_propagates() -> None:
 
 
 # -- cancelling and resuming in process --------------------------------------------------------------------------
-def test_a_pull_whose_client_leaves_is_cancelled_and_resumes(fake: tuple[FakeRegistry, ServerThread],
-                                                             tmp_path: Path) -> None:
+def test_a_pull_whose_client_leaves_is_cancelled_and_resumes(
+    fake: tuple[FakeRegistry, ServerThread], tmp_path: Path
+) -> None:
     registry, server = fake
     data = os.urandom(2 * MiB)
     registry.add_model("ns/m", "latest", [(MODEL_TYPE, data)])
@@ -278,8 +340,9 @@ def test_a_pull_whose_client_leaves_is_cancelled_and_resumes(fake: tuple[FakeReg
 
     registry.throttle = None
     registry.seen.clear()
-    lines = list(Puller(store, downloads, threading.RLock(), prune=True, tuning=tuning).run(
-        f"{server.host}/ns/m", insecure=True))
+    lines = list(
+        Puller(store, downloads, threading.RLock(), prune=True, tuning=tuning).run(f"{server.host}/ns/m", insecure=True)
+    )
     assert lines[-1] == {"status": "success"}
     assert sum(s.sent for s in registry.requests("GET", digest_of(data))) == len(data) - saved
     assert store.blob_path(digest).read_bytes() == data
@@ -293,8 +356,7 @@ def test_damaged_partial_state_starts_afresh(fake: tuple[FakeRegistry, ServerThr
     digest = Digest.parse(digest_of(data))
     store.partial_path(digest).write_bytes(b"\0" * 10)
     store.partial_state_path(digest).write_text('{"digest": "x", "total": -1, "parts": [[0, 1, 5]]}')
-    lines = list(Puller(store, Downloads(), threading.RLock(), prune=True).run(f"{server.host}/ns/m",
-                                                                              insecure=True))
+    lines = list(Puller(store, Downloads(), threading.RLock(), prune=True).run(f"{server.host}/ns/m", insecure=True))
     assert lines[-1] == {"status": "success"}
     assert store.blob_path(digest).read_bytes() == data
 
@@ -311,8 +373,7 @@ def test_a_blob_of_the_wrong_size_is_fetched_again(fake: tuple[FakeRegistry, Ser
     assert store.blob_path(digest).read_bytes() == data
 
 
-def test_pull_replaces_a_tag_and_removes_unused_layers(fake: tuple[FakeRegistry, ServerThread],
-                                                       tmp_path: Path) -> None:
+def test_pull_replaces_a_tag_and_removes_unused_layers(fake: tuple[FakeRegistry, ServerThread], tmp_path: Path) -> None:
     registry, server = fake
     old, new = os.urandom(1000), os.urandom(1000)
     store = Store(tmp_path / "models")
@@ -333,8 +394,9 @@ def stored_model(store: Store, name: str, blobs: list[bytes]) -> Manifest:
 
     config = CONFIG
     layers = [Layer(MODEL_TYPE, store.put_bytes(b), len(b)) for b in blobs]
-    manifest = Manifest.build(Layer("application/vnd.docker.container.image.v1+json", store.put_bytes(config),
-                                    len(config)), layers)
+    manifest = Manifest.build(
+        Layer("application/vnd.docker.container.image.v1+json", store.put_bytes(config), len(config)), layers
+    )
     store.write_manifest(ModelName.parse(name), manifest)
     return manifest
 
@@ -348,14 +410,21 @@ def test_push_uploads_only_missing_blobs_in_chunks(fake: tuple[FakeRegistry, Ser
     registry.blobs[digest_of(small)] = small
     registry.fail_patches = 1
     lines = list(Pusher(store, chunk=100_000, retry_wait=0.01).run(name, insecure=True))
-    assert lines[0] == {"status": "retrieving manifest"} and lines[-2:] == [{"status": "pushing manifest"},
-                                                                           {"status": "success"}]
+    assert lines[0] == {"status": "retrieving manifest"} and lines[-2:] == [
+        {"status": "pushing manifest"},
+        {"status": "success"},
+    ]
     assert registry.blobs[digest_of(big)] == big
     assert registry.manifests[("ns/m", "v1")][0] == manifest.raw
     # the big blob in three chunks (one sent twice: the registry failed it), the config in one, not the small one
     patches = [(s.status, s.headers["content-range"]) for s in registry.requests("PATCH")]
-    assert patches == [(503, "0-99999"), (202, "0-99999"), (202, "100000-199999"), (202, "200000-299999"),
-                       (202, f"0-{len(CONFIG) - 1}")]
+    assert patches == [
+        (503, "0-99999"),
+        (202, "0-99999"),
+        (202, "100000-199999"),
+        (202, "200000-299999"),
+        (202, f"0-{len(CONFIG) - 1}"),
+    ]
     assert not any(digest_of(small) in s.path for s in registry.requests("PUT"))
     big_lines = [line for line in lines if line.get("digest") == digest_of(big)]
     assert big_lines[-1]["completed"] == len(big)

@@ -40,7 +40,8 @@ async def test_generate_matches_in_process(tiny_gguf: Path) -> None:
     try:
         ours, _ = await collect(r, "a b c")
         ref = Llama(model_path=str(tiny_gguf), n_ctx=256, verbose=False, flash_attn=True).create_completion(
-            "a b c", max_tokens=24, temperature=0, repeat_penalty=1.0, seed=42)["choices"][0]["text"]
+            "a b c", max_tokens=24, temperature=0, repeat_penalty=1.0, seed=42
+        )["choices"][0]["text"]
         # random weights emit stray byte tokens: compare what both decode as valid UTF-8
         assert ours.replace("\ufffd", "") == ref.replace("\ufffd", "")
         assert r.memory.ram > 0 and r.info()["n_ctx"] == 256
@@ -60,8 +61,9 @@ async def test_stop_strings_and_length(tiny_gguf: Path) -> None:
         assert reason == "length"
         if len(full.strip()) > 4:
             stop = full.strip()[2:4]
-            cut, reason = await collect(r, "a b c", SampleParams(temperature=0, num_predict=16, repeat_penalty=1.0,
-                                                                  stop=(stop,)))
+            cut, reason = await collect(
+                r, "a b c", SampleParams(temperature=0, num_predict=16, repeat_penalty=1.0, stop=(stop,))
+            )
             assert stop not in cut and reason == "stop" and full.startswith(cut)
     finally:
         await r.close()
@@ -85,8 +87,7 @@ async def test_sigkill_mid_stream_is_runner_crashed(tiny_gguf: Path) -> None:
     r = ProcessRunner(LoadSpec(model_path=str(tiny_gguf), num_ctx=512))
     await r.start()
     with pytest.raises(RunnerCrashed, match="SIGKILL"):
-        async for _ev in r.generate(GenerateRequest(prompt="a", params=SampleParams(num_predict=-1,
-                                                                                   temperature=1.0))):
+        async for _ev in r.generate(GenerateRequest(prompt="a", params=SampleParams(num_predict=-1, temperature=1.0))):
             if r.pid and psutil.pid_exists(r.pid):
                 os.kill(r.pid, signal.SIGKILL)
             await asyncio.sleep(0.05)
@@ -130,8 +131,9 @@ asyncio.run(main())
 
 
 def test_runner_exits_when_the_daemon_is_killed(tiny_gguf: Path) -> None:
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tiny_gguf), str(REPO)], stdout=subprocess.PIPE,
-                              text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(tiny_gguf), str(REPO)], stdout=subprocess.PIPE, text=True
+    )
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
     assert psutil.pid_exists(child)

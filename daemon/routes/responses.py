@@ -1,0 +1,620 @@
+"""OpenAI's Responses API: ``POST /v1/responses`` (what Codex and newer OpenAI SDK code call).
+
+A request becomes an Ollama chat request and runs through the same core as ``/api/chat`` and
+``/v1/chat/completions``: ``instructions`` is a system message; ``input`` is a string (one user message) or a list
+of items: messages (``{"role", "content"}``, content a string or ``input_text``/``output_text``/``input_image``
+parts; role developer is system), ``function_call`` items (assistant tool calls) and ``function_call_output``
+items (tool messages). Tools are flat function declarations (``{"type": "function", "name", "parameters"}``);
+``tool_choice`` "required" or ``{"type": "function", "name"}`` forces the call with a grammar, as in
+``/v1/chat/completions``. ``text.format`` json_schema and json_object constrain the output with a grammar;
+``max_output_tokens``, ``temperature`` and ``top_p`` map to Ollama's options (an ``options`` object passes any
+other, such as ``seed`` or ``num_ctx``).
+
+``reasoning.effort`` maps to ``think`` as Ollama does (none: off; minimal: low; low, medium, high, max as they
+are; xhigh and ultra: max) for a model that can think; for a model that cannot, it is ignored rather than refused,
+because clients such as Codex send it on every request whatever the model.
+
+Stateless, as Ollama: corral stores no responses, so ``previous_response_id`` and ``conversation`` are refused with
+a 400 that says to send the whole conversation in ``input``; ``store`` is accepted and ignored (the reply says
+``"store": false``), and so are hints that do not change the answer (metadata, user, service_tier, truncation,
+prompt_cache_key, safety_identifier, text.verbosity). A known field corral cannot honour (background, prompt,
+built-in tools such as web_search) is refused with a 400 naming it.
+
+Replies are Response objects (``output`` holds message, function_call and, for a thinking model, reasoning
+items; ``status`` "incomplete" with ``incomplete_details.reason`` "max_output_tokens" when cut by the limit);
+streams are OpenAI's typed events, each with ``type`` and an increasing ``sequence_number``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from daemon.bodies import parse_model
+from daemon.compat import (
+    BadParam,
+    first_then,
+    get,
+    guarded,
+    openai_error,
+    read_json,
+    shaped,
+    sse_event,
+    sse_response,
+)
+from daemon.inference import Inference
+from daemon.observe import note
+from daemon.routes.generate import run_chat
+from daemon.routes.openai import call_schema
+from daemon.schemas import ChatRequestBody
+
+router = APIRouter()
+
+# reasoning.effort -> Ollama's think, as Ollama's openai layer maps it
+EFFORTS: dict[str, bool | str] = {
+    "none": False,
+    "minimal": "low",
+    "low": "low",
+    "medium": "medium",
+    "high": "high",
+    "max": "max",
+    "xhigh": "max",
+    "ultra": "max",
+}
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def inference(request: Request) -> Inference:
+    return request.app.state.inference
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+# -- request translation --------------------------------------------------------------------------------------
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name in ("previous_response_id", "conversation"):
+        if body.get(name) is not None:
+            raise BadParam(
+                name,
+                f"'{name}' is not supported: corral does not store responses (it is stateless, as Ollama); "
+                "send the whole conversation in 'input' instead",
+            )
+    if body.get("background"):
+        raise BadParam("background", "'background' responses are not supported: corral does not store responses")
+    if body.get("prompt") is not None:
+        raise BadParam("prompt", "'prompt' (stored prompt templates) is not supported; send 'instructions' and 'input'")
+
+
+def _parts(content: Any, where: str) -> tuple[str, list[str]]:
+    """Text and images (base64) of a message's content: a string or an array of content parts."""
+    if content is None:
+        return "", []
+    if isinstance(content, str):
+        return content, []
+    if not isinstance(content, list):
+        raise BadParam(where, f"'{where}' must be a string or an array of content parts")
+    texts: list[str] = []
+    images: list[str] = []
+    for i, part in enumerate(content):
+        pwhere = f"{where}[{i}]"
+        if not isinstance(part, dict):
+            raise BadParam(pwhere, f"'{pwhere}' must be an object")
+        kind = part.get("type")
+        if kind in ("input_text", "output_text", "text"):
+            texts.append(str(part.get("text") or ""))
+        elif kind == "refusal":
+            texts.append(str(part.get("refusal") or ""))
+        elif kind == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
+                raise BadParam(
+                    f"{pwhere}.image_url",
+                    "images must be base64 data URLs (data:image/png;base64,...); corral never fetches URLs or files",
+                )
+            images.append(url.split(",", 1)[1])
+        elif kind == "input_file":
+            raise BadParam(f"{pwhere}.type", "file inputs are not supported: send the text as input_text")
+        else:
+            raise BadParam(
+                f"{pwhere}.type", f"unsupported content part type {kind!r}: use input_text, output_text or input_image"
+            )
+    return "".join(texts), images
+
+
+def _arguments(value: Any, where: str) -> dict[str, Any]:
+    if value is None or value == "":
+        return {}
+    if isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value) if isinstance(value, str) else None
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise BadParam(where, f"'{where}' must be a JSON object string")
+    return parsed
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    instructions = get(body, "instructions", "str")
+    if instructions:
+        out.append({"role": "system", "content": instructions})
+    raw = body.get("input")
+    if isinstance(raw, str):
+        out.append({"role": "user", "content": raw})
+        return out
+    if not isinstance(raw, list):
+        raise BadParam("input", "'input' must be a string or an array of input items")
+    names: dict[str, str] = {}  # call_id -> function name, for the outputs that answer them
+    thinking = ""  # a reasoning item's summary, for the assistant turn after it
+    for i, item in enumerate(raw):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise BadParam(where, f"'{where}' must be an object")
+        kind = item.get("type") or ("message" if "role" in item else None)
+        last = out[-1] if out else None
+        if kind == "message":
+            role = item.get("role")
+            if role == "developer":
+                role = "system"
+            if role not in ("system", "user", "assistant"):
+                raise BadParam(f"{where}.role", f"'{where}.role' must be user, assistant, system or developer")
+            text, images = _parts(item.get("content"), f"{where}.content")
+            nxt = raw[i + 1] if i + 1 < len(raw) else None
+            answered = isinstance(nxt, dict) and nxt.get("type") == "function_call_output"
+            if role == "assistant" and answered and last and last["role"] == "assistant" and last.get("tool_calls"):
+                # an assistant message replayed between a call and its output stays in the calling turn
+                last["content"] = "\n".join(t for t in (last["content"], text) if t)
+                continue
+            msg: dict[str, Any] = {"role": role, "content": text}
+            if images:
+                msg["images"] = images
+            if role == "assistant" and thinking:
+                msg["thinking"], thinking = thinking, ""
+            out.append(msg)
+        elif kind == "function_call":
+            name = item.get("name")
+            if not isinstance(name, str):
+                raise BadParam(f"{where}.name", f"'{where}.name' must be a string")
+            call_id = str(item.get("call_id") or item.get("id") or "")
+            names[call_id] = name
+            call = {"id": call_id, "function": {"name": name, "arguments": _arguments(item.get("arguments"), where)}}
+            if last and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            if thinking:
+                out[-1]["thinking"], thinking = thinking, ""
+        elif kind == "function_call_output":
+            call_id = str(item.get("call_id") or "")
+            text, images = _parts(item.get("output"), f"{where}.output")
+            tool: dict[str, Any] = {"role": "tool", "content": text, "tool_call_id": call_id}
+            if call_id in names:
+                tool["tool_name"] = names[call_id]
+            if images:
+                tool["images"] = images
+            out.append(tool)
+        elif kind == "reasoning":
+            summary = item.get("summary") or []
+            thinking = "".join(s.get("text") or "" for s in summary if isinstance(s, dict))
+        elif kind == "item_reference":
+            raise BadParam(
+                f"{where}.type", "item references are not supported: corral does not store responses; send the item"
+            )
+        else:
+            raise BadParam(f"{where}.type", f"unsupported input item type {kind!r}")
+    if not any(m["role"] != "system" for m in out):
+        raise BadParam("input", "'input' must contain at least one message")
+    return out
+
+
+def _options(body: dict[str, Any]) -> dict[str, Any]:
+    opts: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0}  # OpenAI's defaults, as /v1/chat/completions
+    opts.update(get(body, "options", "dict") or {})
+    for name, hi in (("temperature", 2), ("top_p", 1)):
+        value = get(body, name, "num", lo=0, hi=hi)
+        if value is not None:
+            opts[name] = value
+    limit = get(body, "max_output_tokens", "int", lo=1)
+    if limit is not None:
+        opts["num_predict"] = limit
+    return opts
+
+
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, Any]:
+    """Ollama's tools from the flat Responses declarations, and a format forcing a call when tool_choice asks."""
+    tools = get(body, "tools", "list") or []
+    choice = body.get("tool_choice")
+    converted: list[dict[str, Any]] = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise BadParam(f"tools[{i}]", f"'tools[{i}]' must be an object")
+        if t.get("type") != "function":
+            raise BadParam(
+                f"tools[{i}].type",
+                f"tool type {t.get('type')!r} is not supported: corral offers only function tools "
+                "(it runs no built-in tools such as web or file search)",
+            )
+        nested = t.get("function")
+        fn: dict[str, Any] = nested if isinstance(nested, dict) else t  # tolerate the chat completions shape
+        if not isinstance(fn.get("name"), str):
+            raise BadParam(f"tools[{i}].name", f"'tools[{i}].name' must be a string")
+        params = fn.get("parameters")
+        converted.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": fn["name"],
+                    "description": fn.get("description") or "",
+                    "parameters": params if isinstance(params, dict) else {"type": "object", "properties": {}},
+                },
+            }
+        )
+    if not converted and (choice == "required" or isinstance(choice, dict)):
+        raise BadParam("tool_choice", "'tool_choice' asks for a tool call, but no 'tools' are given")
+    if not converted or choice == "none":
+        return None, None
+    forced: list[dict[str, Any]] = []
+    if choice == "required":
+        forced = converted
+    elif isinstance(choice, dict):
+        if choice.get("type") != "function":
+            raise BadParam("tool_choice.type", '\'tool_choice\' objects must be {"type": "function", "name": ...}')
+        name = choice.get("name")
+        forced = [t for t in converted if t["function"]["name"] == name]
+        if not forced:
+            raise BadParam("tool_choice.name", f"tool_choice names {name!r}, which is not among the tools")
+    elif choice not in (None, "auto"):
+        raise BadParam("tool_choice", "'tool_choice' must be none, auto, required or a function")
+    return converted, (call_schema(forced) if forced else None)
+
+
+def _format(body: dict[str, Any]) -> Any:
+    text = get(body, "text", "dict") or {}
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise BadParam("text.format", "'text.format' must be an object")
+    kind = fmt.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return "json"
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise BadParam("text.format.schema", "'text.format.schema' must be a JSON schema object")
+        return fmt["schema"]
+    raise BadParam("text.format.type", f"unsupported text.format type {kind!r}: use text, json_object or json_schema")
+
+
+async def _think(request: Request, body: dict[str, Any], model: str) -> bool | str | None:
+    """``think`` from ``reasoning.effort``; None (left to the model) when absent or when the model cannot think."""
+    reasoning = get(body, "reasoning", "dict") or {}
+    effort = reasoning.get("effort")
+    if effort is None:
+        return None
+    if effort not in EFFORTS:
+        raise BadParam(
+            "reasoning.effort",
+            f"invalid reasoning effort {effort!r}: use none, minimal, low, medium, high, xhigh or max",
+        )
+    ctx = await run_in_threadpool(inference(request).model, model)
+    return EFFORTS[effort] if "thinking" in ctx.capabilities else None
+
+
+def _logprob_request(body: dict[str, Any]) -> tuple[bool, int]:
+    include = get(body, "include", "list") or []
+    top = get(body, "top_logprobs", "int", lo=0, hi=20)
+    return (LOGPROBS_INCLUDE in include or bool(top)), top or 0
+
+
+# -- response translation -------------------------------------------------------------------------------------
+def _logprobs(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def one(e: dict[str, Any]) -> dict[str, Any]:
+        return {"token": e["token"], "logprob": e["logprob"], "bytes": e.get("bytes") or list(e["token"].encode())}
+
+    return [{**one(e), "top_logprobs": [one(t) for t in e.get("top_logprobs") or []]} for e in entries]
+
+
+def _usage(final: dict[str, Any]) -> dict[str, Any]:
+    p, c = int(final.get("prompt_eval_count") or 0), int(final.get("eval_count") or 0)
+    return {
+        "input_tokens": p,
+        "input_tokens_details": {"cached_tokens": int(final.get("_prompt_cached") or 0)},
+        "output_tokens": c,
+        "output_tokens_details": {"reasoning_tokens": 0},  # thinking tokens are not counted apart
+        "total_tokens": p + c,
+    }
+
+
+class _Reply:
+    """One response: its fixed fields, the output items so far, and the typed stream events that build them."""
+
+    def __init__(self, body: dict[str, Any], model: str, want_logprobs: bool, one_call: bool) -> None:
+        self.body, self.model = body, model
+        self.want_logprobs, self.one_call = want_logprobs, one_call
+        self.id, self.created = _id("resp"), int(time.time())
+        self.output: list[dict[str, Any]] = []
+        self.seq = 0
+        # the item being streamed: a message's text (and logprobs) or a reasoning summary
+        self.text, self.thinking = "", ""
+        self.lps: list[dict[str, Any]] = []
+        self.status = "in_progress"
+        self.message: dict[str, Any] | None = None
+        self.reasoning: dict[str, Any] | None = None
+
+    def obj(self, status: str, final: dict[str, Any] | None = None) -> dict[str, Any]:
+        text = get(self.body, "text", "dict") or {}
+        reasoning = get(self.body, "reasoning", "dict") or {}
+        incomplete = status == "incomplete"
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "background": False,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": self.body.get("instructions"),
+            "max_output_tokens": self.body.get("max_output_tokens"),
+            "model": self.model,
+            "output": list(self.output),
+            "parallel_tool_calls": not self.one_call,
+            "previous_response_id": None,
+            "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
+            "store": False,  # corral never stores responses
+            "temperature": self.body.get("temperature", 1.0),
+            "text": {"format": text.get("format") or {"type": "text"}},
+            "tool_choice": self.body.get("tool_choice") or "auto",
+            "tools": self.body.get("tools") or [],
+            "top_p": self.body.get("top_p", 1.0),
+            "truncation": self.body.get("truncation") or "disabled",
+            "usage": _usage(final) if final is not None else None,
+            "metadata": self.body.get("metadata") or {},
+        }
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return sse_event(kind, data)
+
+    def error_event(self, message: str) -> bytes:
+        return self.event("error", code="server_error", message=message, param=None)
+
+    # -- items ---------------------------------------------------------------------------------------------------
+    def _part(self) -> dict[str, Any]:
+        part: dict[str, Any] = {"type": "output_text", "text": self.text, "annotations": []}
+        if self.want_logprobs:
+            part["logprobs"] = _logprobs(self.lps)
+        return part
+
+    def open_message(self) -> list[bytes]:
+        if self.message is not None:
+            return []
+        out = self.close_reasoning()
+        self.message = {"id": _id("msg"), "type": "message", "status": "in_progress", "role": "assistant"}
+        index = len(self.output)
+        out.append(self.event("response.output_item.added", output_index=index, item={**self.message, "content": []}))
+        part = {"type": "output_text", "text": "", "annotations": []}
+        out.append(
+            self.event(
+                "response.content_part.added",
+                item_id=self.message["id"],
+                output_index=index,
+                content_index=0,
+                part=part,
+            )
+        )
+        return out
+
+    def add_text(self, text: str, lps: list[dict[str, Any]]) -> list[bytes]:
+        out = self.open_message()
+        assert self.message is not None
+        self.text += text
+        self.lps += lps
+        extra = {"logprobs": _logprobs(lps) if self.want_logprobs else []}
+        out.append(
+            self.event(
+                "response.output_text.delta",
+                item_id=self.message["id"],
+                output_index=len(self.output),
+                content_index=0,
+                delta=text,
+                **extra,
+            )
+        )
+        return out
+
+    def close_message(self, status: str) -> list[bytes]:
+        if self.message is None:
+            return []
+        mid, index, part = self.message["id"], len(self.output), self._part()
+        item = {**self.message, "status": status, "content": [part]}
+        extra = {"logprobs": part.get("logprobs", [])}
+        out = [
+            self.event(
+                "response.output_text.done",
+                item_id=mid,
+                output_index=index,
+                content_index=0,
+                text=self.text,
+                **extra,
+            ),
+            self.event("response.content_part.done", item_id=mid, output_index=index, content_index=0, part=part),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
+        self.output.append(item)
+        self.message, self.text, self.lps = None, "", []
+        return out
+
+    def add_thinking(self, text: str) -> list[bytes]:
+        out: list[bytes] = []
+        index = len(self.output)
+        if self.reasoning is None:
+            self.reasoning = {"id": _id("rs"), "type": "reasoning", "summary": []}
+            out.append(self.event("response.output_item.added", output_index=index, item=dict(self.reasoning)))
+            out.append(
+                self.event(
+                    "response.reasoning_summary_part.added",
+                    item_id=self.reasoning["id"],
+                    output_index=index,
+                    summary_index=0,
+                    part={"type": "summary_text", "text": ""},
+                )
+            )
+        self.thinking += text
+        out.append(
+            self.event(
+                "response.reasoning_summary_text.delta",
+                item_id=self.reasoning["id"],
+                output_index=index,
+                summary_index=0,
+                delta=text,
+            )
+        )
+        return out
+
+    def close_reasoning(self) -> list[bytes]:
+        if self.reasoning is None:
+            return []
+        rid, index = self.reasoning["id"], len(self.output)
+        part = {"type": "summary_text", "text": self.thinking}
+        item = {**self.reasoning, "summary": [part]}
+        out = [
+            self.event(
+                "response.reasoning_summary_text.done",
+                item_id=rid,
+                output_index=index,
+                summary_index=0,
+                text=self.thinking,
+            ),
+            self.event(
+                "response.reasoning_summary_part.done", item_id=rid, output_index=index, summary_index=0, part=part
+            ),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
+        self.output.append(item)
+        self.reasoning, self.thinking = None, ""
+        return out
+
+    def add_calls(self, calls: list[dict[str, Any]]) -> list[bytes]:
+        out = self.close_reasoning() + self.close_message("completed")
+        for call in calls:
+            if self.one_call and any(o["type"] == "function_call" for o in self.output):
+                break
+            fn = call["function"]
+            args = json.dumps(fn.get("arguments") or {})
+            item = {
+                "id": _id("fc"),
+                "type": "function_call",
+                "status": "in_progress",
+                "arguments": "",
+                "call_id": call.get("id") or _id("call"),
+                "name": fn["name"],
+            }
+            index = len(self.output)
+            out.append(self.event("response.output_item.added", output_index=index, item=dict(item)))
+            out.append(
+                self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=args)
+            )
+            out.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=fn["name"],
+                    arguments=args,
+                )
+            )
+            item.update(status="completed", arguments=args)
+            out.append(self.event("response.output_item.done", output_index=index, item=item))
+            self.output.append(item)
+        return out
+
+    def feed(self, chunk: dict[str, Any]) -> list[bytes]:
+        """The events for one chunk of run_chat (the last one closes what is open and ends the response)."""
+        msg = chunk.get("message") or {}
+        out: list[bytes] = []
+        if msg.get("thinking"):
+            out += self.add_thinking(msg["thinking"])
+        if msg.get("content") or (chunk.get("logprobs") and not msg.get("tool_calls")):
+            out += self.add_text(msg.get("content") or "", chunk.get("logprobs") or [])
+        if msg.get("tool_calls"):
+            out += self.add_calls(msg["tool_calls"])
+        if chunk.get("done"):
+            status = self.status = "incomplete" if chunk.get("done_reason") == "length" else "completed"
+            out += self.close_reasoning()
+            if not self.output or self.message is not None:  # no output at all is an empty message
+                out += self.open_message() + self.close_message(status)
+            kind = "response.incomplete" if status == "incomplete" else "response.completed"
+            out.append(self.event(kind, response=self.obj(status, chunk)))
+        return out
+
+
+# -- /v1/responses --------------------------------------------------------------------------------------------
+@router.post("/v1/responses")
+@shaped(openai_error)
+async def responses(request: Request) -> Response:
+    started = time.monotonic()
+    body = await read_json(request)
+    model = get(body, "model", "str", required=True)
+    note(model=model)
+    _refuse_unsupported(body)
+    messages = _messages(body)
+    tools, forced = _tools(body)
+    want_logprobs, top = _logprob_request(body)
+    stream = bool(get(body, "stream", "bool"))
+    req = parse_model(
+        ChatRequestBody,
+        {
+            "model": model,
+            "messages": messages,
+            "options": _options(body),
+            "tools": tools,
+            "format": forced if forced is not None else _format(body),
+            "think": await _think(request, body, model),
+            "stream": stream,
+            "logprobs": want_logprobs,
+            "top_logprobs": top,
+            "keep_alive": body.get("keep_alive"),
+        },
+    )
+    _, chunks = await run_chat(inference(request), req, started)
+    assert chunks is not None  # messages are never empty here
+    first, rest = await first_then(chunks)  # an error before any output is still a plain error answer
+    reply = _Reply(body, model, want_logprobs, get(body, "parallel_tool_calls", "bool") is False)
+    if not stream:
+        try:
+            chunk = first
+            while chunk is not None:
+                reply.feed(chunk)
+                if chunk.get("done"):
+                    return JSONResponse(reply.obj(reply.status, chunk))
+                chunk = await anext(rest, None)
+        finally:
+            await rest.aclose()  # type: ignore[attr-defined]
+        return JSONResponse(reply.obj("incomplete"))
+    return sse_response(guarded(_events(reply, first, rest), rest, reply.error_event))
+
+
+async def _events(
+    reply: _Reply, first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]]
+) -> AsyncGenerator[bytes, None]:
+    yield reply.event("response.created", response=reply.obj("in_progress"))
+    yield reply.event("response.in_progress", response=reply.obj("in_progress"))
+    chunk = first
+    while chunk is not None:
+        for frame in reply.feed(chunk):
+            yield frame
+        chunk = await anext(rest, None)
