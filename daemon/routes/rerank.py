@@ -23,16 +23,13 @@ from starlette.concurrency import run_in_threadpool
 from daemon.bodies import read_body
 from daemon.compat import BadParam, get, openai_error, read_json, shaped
 from daemon.inference import Inference, ModelContext, keep_alive_value
+from daemon.routes.generate import inference
 from daemon.runners.base import LoadSpec
 from registry.errors import InvalidRequest
 
 router = APIRouter()
 
 POOLING_RANK = 4  # LLAMA_POOLING_TYPE_RANK
-
-
-def inference(request: Request) -> Inference:
-    return request.app.state.inference
 
 
 def is_reranker(ctx: ModelContext) -> bool:

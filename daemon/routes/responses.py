@@ -49,9 +49,8 @@ from daemon.compat import (
     sse_event,
     sse_response,
 )
-from daemon.inference import Inference
 from daemon.observe import note
-from daemon.routes.generate import run_chat
+from daemon.routes.generate import inference, run_chat
 from daemon.routes.openai import call_schema
 from daemon.schemas import ChatRequestBody
 
@@ -69,10 +68,6 @@ EFFORTS: dict[str, bool | str] = {
     "ultra": "max",
 }
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-
-
-def inference(request: Request) -> Inference:
-    return request.app.state.inference
 
 
 def _id(prefix: str) -> str:
