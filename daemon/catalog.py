@@ -14,6 +14,7 @@ from collections import OrderedDict
 from datetime import datetime
 from typing import Any
 
+from daemon.chat.pipeline import ChatModel
 from daemon.version import OLLAMA_COMPAT_VERSION
 from modelfile import Modelfile, render
 from modelfile.ast import Adapter, From, License, Message, Parameter, Parser, Renderer, Requires, System, Template
@@ -271,6 +272,10 @@ class Catalog:
     def licenses(self, manifest: Manifest) -> list[str]:
         return [self.text(layer.digest) for layer in manifest.layers_of(MEDIA_LICENSE)]
 
+    def chat_model(self, manifest: Manifest, template: str | None, info: GGUFInfo | None) -> ChatModel:
+        """The model's chat behaviour: template, Jinja chat template, RENDERER and PARSER."""
+        return _chat_model(template, info.chat_template if info else None, self.config(manifest))
+
     def capabilities(
         self, manifest: Manifest, info: GGUFInfo | None, template: str | None, *, cfg: dict[str, Any] | None = None
     ) -> list[str]:
@@ -281,17 +286,18 @@ class Catalog:
             caps.append("embedding")
         else:
             caps.append("completion")
-        chat_template = (info.chat_template if info else None) or ""
-        tpl = template or ""
-        if ".Tools" in tpl or "tools" in chat_template or "tool_call" in chat_template:
+        cfg = self.config(manifest) if cfg is None else cfg
+        chat = _chat_model(template, info.chat_template if info else None, cfg)
+        chat_caps = chat.capabilities()
+        if "tools" in chat_caps:
             caps.append("tools")
-        if ".Suffix" in tpl:
+        if ".Suffix" in (template or ""):
             caps.append("insert")
         if "vision.block_count" in meta or manifest.first(MEDIA_PROJECTOR):
             caps.append("vision")
-        if "<think>" in tpl or "<think>" in chat_template:
+        if "thinking" in chat_caps:
             caps.append("thinking")
-        extra = (self.config(manifest) if cfg is None else cfg).get("capabilities")
+        extra = cfg.get("capabilities")
         if isinstance(extra, list):
             caps += [c for c in extra if isinstance(c, str) and c not in caps]
         return caps
@@ -445,3 +451,8 @@ class Catalog:
             removed = self.store.delete(canonical)
         log.info("deleted model=%s blobs_removed=%d", canonical.short(), len(removed))
         return removed
+
+
+def _chat_model(template: str | None, chat_template: str | None, cfg: dict[str, Any]) -> ChatModel:
+    renderer, parser = (value if isinstance(value := cfg.get(key), str) else "" for key in ("renderer", "parser"))
+    return ChatModel(template=template, chat_template=chat_template, renderer=renderer, parser=parser)

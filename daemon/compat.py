@@ -12,7 +12,7 @@ import functools
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,6 +23,8 @@ from registry.errors import CorralError, InvalidRequest
 
 log = logging.getLogger(__name__)
 Handler = Callable[..., Awaitable[Response]]
+
+T = TypeVar("T")
 
 
 class BadParam(InvalidRequest):
@@ -172,9 +174,7 @@ def sse_event(event: str, obj: Any) -> bytes:
     )
 
 
-async def first_then(
-    chunks: AsyncIterator[dict[str, Any]],
-) -> tuple[dict[str, Any] | None, AsyncIterator[dict[str, Any]]]:
+async def first_then(chunks: AsyncIterator[T]) -> tuple[T | None, AsyncIterator[T]]:
     """Pull the first chunk so that an error before any output is still a plain error response."""
     it = chunks.__aiter__()
     try:
@@ -186,7 +186,7 @@ async def first_then(
 
 async def guarded(
     frames: AsyncGenerator[bytes, None],
-    rest: AsyncIterator[dict[str, Any]],
+    rest: AsyncIterator[Any],
     error_frame: Callable[[str], bytes],
     tail: bytes = b"",
 ) -> AsyncIterator[bytes]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.catalog import Catalog
+from daemon.chat.pipeline import ChatModel
 from daemon.runners.base import LoadSpec, SampleParams
 from daemon.scheduler import Lease, ModelRef, Scheduler
 from daemon.settings import Settings, SettingsError, parse_duration
@@ -74,6 +75,7 @@ class ModelContext:
     messages: list[dict[str, str]]
     capabilities: list[str]
     details: dict[str, Any] = field(default_factory=dict)
+    chat: ChatModel = field(default_factory=ChatModel)  # template, renderer and parser: how it chats
 
     @property
     def chat_template(self) -> str | None:
@@ -138,6 +140,7 @@ class Inference:
             messages=self.catalog.messages(manifest),
             capabilities=self.catalog.capabilities(manifest, info, template),
             details=self.catalog.details(manifest),
+            chat=self.catalog.chat_model(manifest, template, info),
         )
 
     def has_projector(self, ctx: ModelContext) -> bool:

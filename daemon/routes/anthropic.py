@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from daemon.bodies import parse_model
+from daemon.chat.types import Content, Event, Finished, Thinking, ToolCall, ToolCalls
 from daemon.compat import (
     BadParam,
     anthropic_error,
@@ -80,6 +81,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         texts: list[str] = []
         images: list[str] = []
         calls: list[dict[str, Any]] = []
+        thinking = ""
         for j, block in enumerate(content):
             bwhere = f"{where}.content[{j}]"
             kind = block.get("type") if isinstance(block, dict) else None
@@ -90,6 +92,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 if src.get("type") != "base64" or not isinstance(src.get("data"), str):
                     raise BadParam(f"{bwhere}.source", "images must be base64 sources; corral never fetches URLs")
                 images.append(src["data"])
+            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+                thinking += str(block.get("thinking") or "")  # earlier thinking, given back as the API asks
             elif kind == "tool_use" and role == "assistant":
                 if not isinstance(block.get("name"), str):
                     raise BadParam(f"{bwhere}.name", f"'{bwhere}.name' must be a string")
@@ -106,8 +110,10 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 out.append(tool)
             else:
                 raise BadParam(f"{bwhere}.type", f"unsupported block type {kind!r} in a {role} message")
-        if texts or images or calls:
+        if texts or images or calls or thinking:
             msg: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+            if thinking:
+                msg["thinking"] = thinking
             if images:
                 msg["images"] = images
             if calls:
@@ -179,7 +185,23 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, Any]:
     return converted, None
 
 
-def _chat_request(body: dict[str, Any], *, stream: bool) -> ChatRequestBody:
+def _think(body: dict[str, Any]) -> bool | str | None:
+    """``thinking: {"type": "enabled" | "disabled"}``, or ``output_config.effort`` (a level), as Ollama maps them."""
+    thinking = get(body, "thinking", "dict")
+    if thinking is not None:
+        kind = thinking.get("type")
+        if kind in ("enabled", "adaptive"):
+            return True
+        if kind == "disabled":
+            return False
+        raise BadParam("thinking.type", "'thinking.type' must be enabled, adaptive or disabled")
+    effort = str((get(body, "output_config", "dict") or {}).get("effort") or "").strip().lower()
+    if effort == "xhigh":
+        effort = "high"
+    return effort if effort in ("low", "medium", "high", "max") else None
+
+
+def _chat_request(body: dict[str, Any], *, stream: bool, think: bool | str | None = None) -> ChatRequestBody:
     model = get(body, "model", "str", required=True)
     tools, forced = _tools(body)
     return parse_model(
@@ -190,6 +212,7 @@ def _chat_request(body: dict[str, Any], *, stream: bool) -> ChatRequestBody:
             "options": _options(body),
             "tools": tools,
             "format": forced,
+            "think": think,
             "stream": stream,
             "keep_alive": body.get("keep_alive"),
         },
@@ -197,22 +220,22 @@ def _chat_request(body: dict[str, Any], *, stream: bool) -> ChatRequestBody:
 
 
 # -- response translation -------------------------------------------------------------------------------------
-def _stop_reason(final: dict[str, Any], calls: bool) -> tuple[str, str | None]:
+def _stop_reason(final: Finished, calls: bool) -> tuple[str, str | None]:
     if calls:
         return "tool_use", None
-    if final.get("done_reason") == "length":
+    if final.done_reason == "length":
         return "max_tokens", None
-    if final.get("_stop_sequence"):
-        return "stop_sequence", str(final["_stop_sequence"])
+    if final.stop_sequence:
+        return "stop_sequence", final.stop_sequence
     return "end_turn", None
 
 
-def _tool_block(call: dict[str, Any]) -> dict[str, Any]:
+def _tool_block(call: ToolCall) -> dict[str, Any]:
     return {
         "type": "tool_use",
-        "id": call.get("id") or f"toolu_{secrets.token_hex(12)}",
-        "name": call["function"]["name"],
-        "input": call["function"].get("arguments") or {},
+        "id": "toolu_" + (call.id.removeprefix("call_") if call.id else secrets.token_hex(12)),
+        "name": call.name,
+        "input": call.arguments,
     }
 
 
@@ -223,28 +246,39 @@ async def messages(request: Request) -> Response:
     body = await read_json(request)
     note(model=body.get("model") if isinstance(body.get("model"), str) else "")
     stream = bool(get(body, "stream", "bool"))
-    req = _chat_request(body, stream=stream)
-    _, chunks = await run_chat(inference(request), req, started, count_prompt=stream)
-    assert chunks is not None  # messages are never empty here
-    first, rest = await first_then(chunks)
+    req = _chat_request(body, stream=stream, think=_think(body))
+    if req.think not in (None, False):
+        ctx = await run_in_threadpool(inference(request).model, req.model_name)
+        if "thinking" not in ctx.capabilities:  # as Ollama: Claude Code asks every model to think
+            req = req.model_copy(update={"think": None})
+    _, run = await run_chat(inference(request), req, started, count_prompt=stream)
+    assert run is not None  # messages are never empty here
+    first, rest = await first_then(run)
     mid = f"msg_{secrets.token_hex(12)}"
     if not stream:
         return JSONResponse(await _whole(first, rest, mid, req.model_name))
-    return sse_response(guarded(_events(first, rest, mid, req.model_name), rest, _error_event))
+    return sse_response(guarded(_events(first, rest, mid, req.model_name, run.prompt_tokens or 0), rest, _error_event))
 
 
-async def _whole(
-    first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]], mid: str, model: str
-) -> dict[str, Any]:
-    calls: list[Any] = []
-    text, last, chunk = "", first or {}, first
-    while chunk is not None:
-        msg = chunk.get("message") or {}
-        text += msg.get("content") or ""
-        calls += msg.get("tool_calls") or []
-        last = chunk
-        chunk = await anext(rest, None)
-    content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text or not calls else []
+async def _whole(first: Event | None, rest: AsyncIterator[Event], mid: str, model: str) -> dict[str, Any]:
+    calls: list[ToolCall] = []
+    text, thinking, last, event = "", "", Finished("stop"), first
+    try:
+        while event is not None:
+            if isinstance(event, Content):
+                text += event.text
+            elif isinstance(event, Thinking):
+                thinking += event.text
+            elif isinstance(event, ToolCalls):
+                calls += event.calls
+            else:
+                last = event
+            event = await anext(rest, None)
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+    content: list[dict[str, Any]] = [{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []
+    if text or not calls:
+        content.append({"type": "text", "text": text})
     content += [_tool_block(c) for c in calls]
     reason, seq = _stop_reason(last, bool(calls))
     return {
@@ -255,10 +289,7 @@ async def _whole(
         "content": content,
         "stop_reason": reason,
         "stop_sequence": seq,
-        "usage": {
-            "input_tokens": int(last.get("prompt_eval_count") or 0),
-            "output_tokens": int(last.get("eval_count") or 0),
-        },
+        "usage": {"input_tokens": last.prompt_eval_count, "output_tokens": last.eval_count},
     }
 
 
@@ -266,8 +297,20 @@ def _error_event(message: str) -> bytes:
     return sse_event("error", {"type": "error", "error": {"type": "api_error", "message": message}})
 
 
+def _block_start(index: int, block: dict[str, Any]) -> bytes:
+    return sse_event("content_block_start", {"type": "content_block_start", "index": index, "content_block": block})
+
+
+def _block_delta(index: int, delta: dict[str, Any]) -> bytes:
+    return sse_event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+
+
+def _block_stop(index: int) -> bytes:
+    return sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
+
+
 async def _events(
-    first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]], mid: str, model: str
+    first: Event | None, rest: AsyncIterator[Event], mid: str, model: str, prompt_tokens: int
 ) -> AsyncGenerator[bytes, None]:
     yield sse_event(
         "message_start",
@@ -282,64 +325,55 @@ async def _events(
                 "stop_reason": None,
                 "stop_sequence": None,
                 # the prompt's exact length, known before the first token (Ollama sends an estimate: characters / 4)
-                "usage": {"input_tokens": int((first or {}).get("_prompt_eval_count") or 0), "output_tokens": 0},
+                "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
             },
         },
     )
     yield sse_event("ping", {"type": "ping"})
-    index, text_open, any_calls, chunk = 0, False, False, first
-    while chunk is not None:
-        msg = chunk.get("message") or {}
-        if chunk.get("done"):
-            if text_open:
-                yield sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
-            reason, seq = _stop_reason(chunk, any_calls)
+    index, open_kind, any_calls, event = 0, "", False, first
+    while event is not None:
+        if isinstance(event, Finished):
+            if open_kind:
+                yield _block_stop(index)
+            reason, seq = _stop_reason(event, any_calls)
             yield sse_event(
                 "message_delta",
                 {
                     "type": "message_delta",
                     "delta": {"stop_reason": reason, "stop_sequence": seq},
-                    "usage": {
-                        "input_tokens": int(chunk.get("prompt_eval_count") or 0),
-                        "output_tokens": int(chunk.get("eval_count") or 0),
-                    },
+                    "usage": {"input_tokens": event.prompt_eval_count, "output_tokens": event.eval_count},
                 },
             )
             yield sse_event("message_stop", {"type": "message_stop"})
             return
-        text = msg.get("content") or ""
-        if text:
-            if not text_open:
-                yield sse_event(
-                    "content_block_start",
-                    {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}},
+        if isinstance(event, (Thinking, Content)) and event.text:
+            kind = "thinking" if isinstance(event, Thinking) else "text"
+            if open_kind != kind:
+                if open_kind:
+                    yield _block_stop(index)
+                    index += 1
+                start = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else None
+                yield _block_start(index, start or {"type": "text", "text": ""})
+                open_kind = kind
+            if kind == "thinking":
+                yield _block_delta(index, {"type": "thinking_delta", "thinking": event.text})
+            else:
+                yield _block_delta(index, {"type": "text_delta", "text": event.text})
+        elif isinstance(event, ToolCalls):
+            for call in event.calls:
+                if open_kind:
+                    yield _block_stop(index)
+                    index, open_kind = index + 1, ""
+                any_calls = True
+                block = _tool_block(call)
+                yield _block_start(index, {**block, "input": {}})
+                yield _block_delta(
+                    index,
+                    {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)},
                 )
-                text_open = True
-            yield sse_event(
-                "content_block_delta",
-                {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}},
-            )
-        for call in msg.get("tool_calls") or []:
-            if text_open:
-                yield sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
-                index, text_open = index + 1, False
-            any_calls = True
-            block = _tool_block(call)
-            yield sse_event(
-                "content_block_start",
-                {"type": "content_block_start", "index": index, "content_block": {**block, "input": {}}},
-            )
-            yield sse_event(
-                "content_block_delta",
-                {
-                    "type": "content_block_delta",
-                    "index": index,
-                    "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])},
-                },
-            )
-            yield sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
-            index += 1
-        chunk = await anext(rest, None)
+                yield _block_stop(index)
+                index += 1
+        event = await anext(rest, None)
 
 
 # -- /v1/messages/count_tokens --------------------------------------------------------------------------------

@@ -5,9 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import re
-import secrets
-import string
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,6 +15,9 @@ from starlette.concurrency import run_in_threadpool
 
 from daemon import prompt as prompts
 from daemon.bodies import read_model
+from daemon.chat import pipeline
+from daemon.chat.pipeline import ChatModel, EventStream
+from daemon.chat.types import Content, Event, Finished, Thinking, ThinkValue, ToolCall, ToolCalls
 from daemon.errors import error_response
 from daemon.inference import Inference, ModelContext, keep_alive_value, now_rfc3339
 from daemon.observe import note
@@ -103,15 +103,6 @@ def _check_common(req: InferenceRequest) -> None:
         raise InvalidRequest("top_logprobs must be between 0 and 20")
 
 
-def _check_think(ctx: ModelContext, think: Any) -> None:
-    if think in (None, False, "false"):
-        return
-    if isinstance(think, str) and think not in ("true", "low", "medium", "high", "max"):
-        raise InvalidRequest(f'invalid think value: "{think}" (must be true, false, "low", "medium", "high" or "max")')
-    if "thinking" not in ctx.capabilities:
-        raise InvalidRequest(f'"{ctx.raw}" does not support thinking')
-
-
 def _check_images(ctx: ModelContext, images: list[str] | None) -> None:
     if images and "vision" not in ctx.capabilities:
         raise InvalidRequest(
@@ -119,7 +110,16 @@ def _check_images(ctx: ModelContext, images: list[str] | None) -> None:
         )
 
 
-def _metrics(done: Done, started: float, lease: Lease) -> dict[str, Any]:
+def _think(ctx: ModelContext, think: Any) -> ThinkValue:
+    """The request's ``think`` checked; unset on a model that can think means on, as in Ollama."""
+    pipeline.check_think(ctx.capabilities, ctx.raw, think)
+    value = pipeline.normalise_think(think)
+    if value is None and "thinking" in ctx.capabilities:
+        return True
+    return value
+
+
+def _finished(done: Done, started: float, lease: Lease, *, context: tuple[int, ...] | None = None) -> Finished:
     note(
         model=lease.ref.name,
         prompt_eval_count=done.prompt_eval_count,
@@ -128,15 +128,18 @@ def _metrics(done: Done, started: float, lease: Lease) -> dict[str, Any]:
         eval_duration=done.eval_duration,
         ttft=lease.load_duration + done.prompt_eval_duration / 1e9,
     )
-    return {
-        "total_duration": int((time.monotonic() - started) * 1e9),
-        "load_duration": int(lease.load_duration * 1e9),
-        "prompt_eval_count": done.prompt_eval_count,
-        "prompt_eval_duration": done.prompt_eval_duration,
-        "eval_count": done.eval_count,
-        "eval_duration": done.eval_duration,
-        "_prompt_cached": done.prompt_cached,  # for /v1's usage; removed before Ollama's wire
-    }
+    return Finished(
+        done_reason=done.done_reason,
+        prompt_eval_count=done.prompt_eval_count,
+        prompt_eval_duration=done.prompt_eval_duration,
+        eval_count=done.eval_count,
+        eval_duration=done.eval_duration,
+        total_duration=int((time.monotonic() - started) * 1e9),
+        load_duration=int(lease.load_duration * 1e9),
+        prompt_cached=done.prompt_cached,
+        stop_sequence=done.stop_sequence,
+        context=context,
+    )
 
 
 async def _stream_tokens(lease: Lease, greq: GenerateRequest) -> AsyncIterator[Token | Done]:
@@ -163,6 +166,38 @@ async def _stream_tokens(lease: Lease, greq: GenerateRequest) -> AsyncIterator[T
         lease.release()
 
 
+async def _events(
+    lease: Lease, greq: GenerateRequest, stream: EventStream, started: float, *, with_context: bool = False
+) -> AsyncIterator[Event]:
+    """One generation as typed events: the runner's pieces through the output parser, then Finished."""
+    async for item in _stream_tokens(lease, greq):
+        if isinstance(item, Token):
+            for event in stream.add(item.text, (item.logprobs,) if item.logprobs is not None else ()):
+                yield event
+        else:
+            for event in stream.add("", done=True):
+                yield event
+            yield _finished(item, started, lease, context=tuple(item.context) if with_context else None)
+
+
+class Run:
+    """A started generation: its events (an async iterator; ``aclose()`` stops it) and, when asked for, the
+    prompt's length in tokens before the first event (Anthropic's message_start says it)."""
+
+    def __init__(self, events: AsyncIterator[Event], prompt_tokens: int | None = None) -> None:
+        self.events = events
+        self.prompt_tokens = prompt_tokens
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self.events
+
+    async def __anext__(self) -> Event:
+        return await self.events.__anext__()
+
+    async def aclose(self) -> None:
+        await self.events.aclose()  # type: ignore[attr-defined]
+
+
 async def _load_only(
     inf: Inference,
     ctx: ModelContext,
@@ -184,9 +219,9 @@ async def run_generate(
     inf: Inference,
     req: GenerateRequestBody,
     started: float,
-) -> tuple[dict[str, Any] | None, AsyncIterator[dict[str, Any]] | None]:
-    """Check ``req`` and start it: ``(final, None)`` for a load or unload, else ``(None, chunks)`` (Ollama's
-    generate objects, the last with the metrics). Errors before the first chunk raise."""
+) -> tuple[dict[str, Any] | None, Run | None]:
+    """Check ``req`` and start it: ``(final, None)`` for a load or unload (Ollama's object), else ``(None, run)``.
+    Errors before the first event raise."""
     note(model=req.model_name)
     _check_common(req)
     _model_name_or_error(req.model_name, empty_is_404=True)
@@ -203,7 +238,7 @@ async def run_generate(
         raise InvalidRequest(f'"{req.model_name}" does not support generate')
     if req.suffix and "insert" not in ctx.capabilities:
         raise InvalidRequest(f"{ctx.name} does not support insert")
-    _check_think(ctx, req.think)
+    think = _think(ctx, req.think)
     _check_images(ctx, req.images)
     opts = inf.options(ctx, req.options)
     params = _with_logprobs(inf.sample_params(opts, req.format), req)
@@ -212,6 +247,7 @@ async def run_generate(
         await _load_only(inf, ctx, keep_alive, opts)
         return {**base, "created_at": now_rfc3339(), "response": "", "done": True, "done_reason": "load"}, None
 
+    chat = ctx.chat if not req.template else ChatModel(template=req.template)
     if req.raw:
         text = req.prompt
     else:
@@ -219,41 +255,22 @@ async def run_generate(
         history = [] if req.context else ctx.messages
         text = await prompts.offload(  # off the event loop, bounded in time and memory (daemon/prompt.py)
             prompts.render_generate,
-            req.template if req.template else ctx.template,
-            None if req.template else ctx.chat_template,
+            chat.template,
+            chat.chat_template,
             prompt=req.prompt,
             system=system,
             suffix=req.suffix or None,
             messages_history=history,
+            think=think,
         )
     if inf.settings.log_prompts:
         note(prompt=text)
+    parser, _ = pipeline.output_parser(chat, tools=None, last=None, think=think, prompt=text, raw=req.raw)
     greq = GenerateRequest(
         prompt=text, params=params, context=tuple(req.context or ()), shift=req.shift, truncate=req.truncate
     )
     lease = await inf.acquire(ctx, inf.load_spec(ctx, opts), keep_alive)
-
-    async def chunks() -> AsyncIterator[dict[str, Any]]:
-        async for event in _stream_tokens(lease, greq):
-            if isinstance(event, Token):
-                chunk = {**base, "created_at": now_rfc3339(), "response": event.text, "done": False}
-                if event.logprobs is not None:
-                    chunk["logprobs"] = [event.logprobs]
-                yield chunk
-            else:
-                final = {
-                    **base,
-                    "created_at": now_rfc3339(),
-                    "response": "",
-                    "done": True,
-                    "done_reason": event.done_reason,
-                }
-                if not req.raw:
-                    final["context"] = list(event.context)
-                final.update(_metrics(event, started, lease))
-                yield final
-
-    return None, chunks()
+    return None, Run(_events(lease, greq, EventStream(parser, None), started, with_context=not req.raw))
 
 
 def _with_logprobs(params: SampleParams, req: InferenceRequest) -> SampleParams:
@@ -264,11 +281,11 @@ def _with_logprobs(params: SampleParams, req: InferenceRequest) -> SampleParams:
 async def generate(request: Request) -> Response:
     started = time.monotonic()
     req = await read_model(request, GenerateRequestBody)
-    final, chunks = await run_generate(inference(request), req, started)
+    final, run = await run_generate(inference(request), req, started)
     if final is not None:
         return JSONResponse(final)
-    assert chunks is not None
-    return await respond(_ollama_wire(chunks), stream=req.stream, text_key="response")
+    assert run is not None
+    return await respond(ollama_chunks(run, req.model_name, chat=False), stream=req.stream, text_key="response")
 
 
 # -- chat ---------------------------------------------------------------------------------------------------------
@@ -300,7 +317,7 @@ def build_messages(ctx: ModelContext, request_messages: list[dict[str, Any]]) ->
     msgs: list[dict[str, Any]] = [dict(m) for m in ctx.messages] + request_messages
     if ctx.system and (not request_messages or request_messages[0]["role"] != "system"):
         msgs.insert(0, {"role": "system", "content": ctx.system})
-    return msgs
+    return pipeline.strip_past_thinking(ctx.chat, msgs)
 
 
 TRUNCATE_SECONDS = 30.0  # the most fitting one chat into its context may take
@@ -319,12 +336,9 @@ async def render_chat(
     none left to drop, the shortest prompt is used). How many to drop is found by binary search, so a long chat
     takes O(log n) renders and tokenizations rather than n, each render in a worker thread (prompts.offload); the
     prompt is the one dropping them one at a time gives, as the prompt never grows when a message is dropped."""
-    flag = think if isinstance(think, bool) else None
 
     async def render(kept: list[dict[str, Any]]) -> str:
-        return await prompts.offload(
-            prompts.render_messages, ctx.template, ctx.chat_template, kept, tools=tools, think=flag
-        )
+        return await prompts.offload(pipeline.render, ctx.chat, kept, tools, pipeline.normalise_think(think))
 
     text = await render(msgs)
     if not truncate:
@@ -355,59 +369,20 @@ async def render_chat(
     return fitting[1] if fitting is not None and fitting[0] == lo else await render(without(lo))
 
 
-_TOOL_TAG = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """Find tool calls in model output: <tool_call>{json}</tool_call> blocks, or output that is only JSON."""
-    candidates = [m.group(1) for m in _TOOL_TAG.finditer(text)]
-    remainder = _TOOL_TAG.sub("", text).strip() if candidates else text
-    if not candidates:
-        stripped = text.strip()
-        for prefix in ("[TOOL_CALLS]", "<|python_tag|>", "```json", "```"):
-            if stripped.startswith(prefix):
-                stripped = stripped[len(prefix) :].strip().removesuffix("```").strip()
-        if stripped.startswith(("{", "[")):
-            candidates, remainder = [stripped], ""
-    calls: list[dict[str, Any]] = []
-    for cand in candidates:
-        try:
-            value = json.loads(cand)
-        except ValueError:
-            return text, []
-        for item in value if isinstance(value, list) else [value]:
-            if not isinstance(item, dict):
-                return text, []
-            fn: dict[str, Any] = item["function"] if isinstance(item.get("function"), dict) else item
-            name = fn.get("name")
-            args = fn.get("arguments", fn.get("parameters", {}))
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except ValueError:
-                    return text, []
-            if not isinstance(name, str) or not isinstance(args, dict):
-                return text, []
-            calls.append(
-                {
-                    "id": "call_" + "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8)),
-                    "function": {"index": len(calls), "name": name, "arguments": args},
-                }
-            )
-    return remainder, calls
-
-
 async def run_chat(
     inf: Inference,
     req: ChatRequestBody,
     started: float,
     *,
     count_prompt: bool = False,
-) -> tuple[dict[str, Any] | None, AsyncIterator[dict[str, Any]] | None]:
-    """Check ``req`` and start it: ``(final, None)`` for a load or unload, else ``(None, chunks)`` (Ollama's
-    chat objects, the last with the metrics). Errors before the first chunk raise. ``count_prompt``: tokenize the
-    prompt first and put its length on the first chunk as ``_prompt_eval_count`` (for a stream that must say it
-    before the end, as Anthropic's message_start does)."""
+) -> tuple[dict[str, Any] | None, Run | None]:
+    """Check ``req`` and start it: ``(final, None)`` for a load or unload (Ollama's object), else ``(None, run)``.
+    Errors before the first event raise. ``count_prompt``: tokenize the prompt first and say its length on the run
+    (for a stream that must say it before the end, as Anthropic's message_start does).
+
+    With ``format`` on a model that thinks, the answer is constrained only after the thinking (as newest Ollama
+    does): the model thinks freely; at the first answer text the generation stops and starts again from the prompt
+    plus the thinking, now under the format's grammar. The events of both parts are one run."""
     note(model=req.model_name)
     _check_common(req)
     _model_name_or_error(req.model_name, empty_is_404=False)
@@ -429,11 +404,10 @@ async def run_chat(
         raise InvalidRequest(f'"{req.model_name}" does not support chat')
     if req.tools and "tools" not in ctx.capabilities:
         raise InvalidRequest(f"{ctx.name} does not support tools")
-    _check_think(ctx, req.think)
+    think = _think(ctx, req.think)
     request_messages = [message_dict(m) for m in req.messages]
     _check_images(ctx, [img for m in request_messages for img in m.get("images", [])])
     opts = inf.options(ctx, req.options)
-    params = _with_logprobs(inf.sample_params(opts, req.format), req)
     spec = inf.load_spec(ctx, opts)
 
     if not req.messages:
@@ -446,87 +420,113 @@ async def run_chat(
             "done_reason": "load",
         }, None
 
+    msgs = build_messages(ctx, request_messages)
     lease = await inf.acquire(ctx, spec, keep_alive)
     try:
-        text = await render_chat(
-            lease, ctx, build_messages(ctx, request_messages), req.tools, spec.num_ctx, req.truncate, req.think
-        )
+        text = await render_chat(lease, ctx, msgs, req.tools, spec.num_ctx, req.truncate, think)
         prompt_count = len(await lease.runner.tokenize(text)) if count_prompt else None
     except BaseException:
         lease.release()
         raise
     if inf.settings.log_prompts:
         note(prompt=text)
+    forced = bool(req.tools) and pipeline.is_call_schema(req.format)
+    parser, thinks = pipeline.output_parser(
+        ctx.chat, tools=req.tools, last=msgs[-1], think=think, prompt=text, forced_call=forced
+    )
+    defer_format = req.format is not None and req.format != "" and thinks
+    params = _with_logprobs(inf.sample_params(opts, None if defer_format else req.format), req)
     greq = GenerateRequest(prompt=text, params=params, shift=req.shift, truncate=req.truncate)
-    buffer_for_tools = bool(req.tools)
+    first = _events(lease, greq, EventStream(parser, req.tools), started)
+    if not defer_format:
+        return None, Run(first, prompt_count)
 
-    untold = [prompt_count] if prompt_count is not None else []
+    async def thinking_then_format() -> AsyncIterator[Event]:
+        thought: list[str] = []
+        try:
+            async for event in first:
+                if isinstance(event, Content) and event.text.strip() or isinstance(event, ToolCalls):
+                    break  # the answer begins: stop here and answer again under the format
+                if isinstance(event, Thinking):
+                    thought.append(event.text)
+                yield event
+            else:
+                return  # it only thought (or stopped): nothing to constrain
+        finally:
+            await first.aclose()  # type: ignore[attr-defined]
+        again = [*msgs, {"role": "assistant", "content": "", "thinking": "".join(thought)}] if thought else msgs
+        lease2 = await inf.acquire(ctx, spec, keep_alive)
+        try:
+            text2 = await render_chat(lease2, ctx, again, req.tools, spec.num_ctx, req.truncate, think)
+        except BaseException:
+            lease2.release()
+            raise
+        if ctx.chat.parser == "harmony" and thought:
+            text2 += "<|end|><|start|>assistant<|channel|>final<|message|>"  # past the thinking, into the answer
+        parser2, _ = pipeline.output_parser(
+            ctx.chat, tools=req.tools, last=again[-1], think=False, prompt=text2, forced_call=forced
+        )
+        greq2 = GenerateRequest(
+            prompt=text2,
+            params=_with_logprobs(inf.sample_params(opts, req.format), req),
+            shift=req.shift,
+            truncate=req.truncate,
+        )
+        async for event in _events(lease2, greq2, EventStream(parser2, req.tools), started):
+            yield event
 
-    def tell(chunk: dict[str, Any]) -> dict[str, Any]:
-        if untold:  # the first chunk says the prompt's length: for /v1/messages; removed before Ollama's wire
-            chunk["_prompt_eval_count"] = untold.pop()
-        return chunk
-
-    async def chunks() -> AsyncIterator[dict[str, Any]]:
-        held: list[str] = []
-        held_logprobs: list[dict[str, Any]] = []
-        async for event in _stream_tokens(lease, greq):
-            if isinstance(event, Token):
-                if buffer_for_tools:
-                    held.append(event.text)
-                    if event.logprobs is not None:
-                        held_logprobs.append(event.logprobs)
-                    continue
-                chunk = {
-                    **base,
-                    "created_at": now_rfc3339(),
-                    "message": {"role": "assistant", "content": event.text},
-                    "done": False,
-                }
-                if event.logprobs is not None:
-                    chunk["logprobs"] = [event.logprobs]
-                yield tell(chunk)
-                continue
-            if buffer_for_tools:
-                content, calls = parse_tool_calls("".join(held))
-                message: dict[str, Any] = {"role": "assistant", "content": content}
-                if calls:
-                    message["tool_calls"] = calls
-                chunk = {**base, "created_at": now_rfc3339(), "message": message, "done": False}
-                if held_logprobs:
-                    chunk["logprobs"] = held_logprobs
-                yield tell(chunk)
-            final = {
-                **base,
-                "created_at": now_rfc3339(),
-                "message": dict(empty_message),
-                "done": True,
-                "done_reason": event.done_reason,
-            }
-            final.update(_metrics(event, started, lease))
-            if event.stop_sequence is not None:
-                final["_stop_sequence"] = event.stop_sequence  # for /v1/messages; removed before Ollama's wire
-            yield tell(final)
-
-    return None, chunks()
+    return None, Run(thinking_then_format(), prompt_count)
 
 
 @router.post("/api/chat")
 async def chat(request: Request) -> Response:
     started = time.monotonic()
     req = await read_model(request, ChatRequestBody)
-    final, chunks = await run_chat(inference(request), req, started)
+    final, run = await run_chat(inference(request), req, started)
     if final is not None:
         return JSONResponse(final)
-    assert chunks is not None
-    return await respond(_ollama_wire(chunks), stream=req.stream, text_key="message")
+    assert run is not None
+    return await respond(ollama_chunks(run, req.model_name, chat=True), stream=req.stream, text_key="message")
 
 
-async def _ollama_wire(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+async def ollama_chunks(run: Run, model: str, *, chat: bool) -> AsyncIterator[dict[str, Any]]:
+    """Events as Ollama's /api/chat or /api/generate objects: one per piece, the last with ``done`` and metrics."""
+    text_key = "content" if chat else "response"
+
+    def chunk(content: str = "", thinking: str = "", calls: tuple[ToolCall, ...] = ()) -> dict[str, Any]:
+        holder: dict[str, Any] = {"role": "assistant", "content": content} if chat else {"response": content}
+        if thinking:
+            holder["thinking"] = thinking
+        if calls:
+            holder["tool_calls"] = [c.ollama() for c in calls]
+        out: dict[str, Any] = {"model": model, "created_at": now_rfc3339()}
+        if chat:
+            out["message"] = holder
+        else:
+            out.update(holder)
+        out["done"] = False
+        return out
+
     try:
-        async for chunk in chunks:
-            for key in [k for k in chunk if k.startswith("_")]:  # what only the /v1 routes read
-                del chunk[key]
-            yield chunk
+        async for event in run:
+            if isinstance(event, Content):
+                out = chunk(content=event.text)
+                if event.logprobs:
+                    out["logprobs"] = list(event.logprobs)
+                yield out
+            elif isinstance(event, Thinking):
+                yield chunk(thinking=event.text)
+            elif isinstance(event, ToolCalls):
+                yield chunk(calls=event.calls)
+            else:
+                final = chunk()
+                final["done"] = True
+                final["done_reason"] = event.done_reason
+                if not chat and event.context is not None:
+                    final["context"] = list(event.context)
+                final.update(event.metrics())
+                if chat:
+                    final["message"][text_key] = ""
+                yield final
     finally:
-        await chunks.aclose()  # type: ignore[attr-defined]
+        await run.aclose()

@@ -25,8 +25,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from daemon.bodies import parse_model
+from daemon.chat.types import Content, Event, Finished, Thinking, ToolCall, ToolCalls
 from daemon.compat import (
     BadParam,
     first_then,
@@ -98,7 +100,7 @@ def _unsupported(body: dict[str, Any]) -> None:
     """Refuse, naming it, an OpenAI field that corral knows but cannot honour and that would change the answer's
     meaning if ignored. A field corral does not know at all is ignored (the SDKs add new ones all the time), and
     so are hints that do not change the answer: service_tier, store, metadata, user, safety_identifier,
-    prompt_cache_key, prompt_cache_retention, reasoning_effort, verbosity, stream_options.include_obfuscation."""
+    prompt_cache_key, prompt_cache_retention, verbosity, stream_options.include_obfuscation."""
     if body.get("audio") is not None:
         raise BadParam("audio", "'audio' output is not supported: corral generates text only; leave 'audio' out")
     modalities = body.get("modalities")
@@ -206,6 +208,9 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             )
         text, images = _content_text(m.get("content"), f"{where}.content")
         msg: dict[str, Any] = {"role": role, "content": text}
+        reasoning = m.get("reasoning") if m.get("reasoning") is not None else m.get("reasoning_content")
+        if role == "assistant" and isinstance(reasoning, str) and reasoning:
+            msg["thinking"] = reasoning  # Ollama's field (and DeepSeek's reasoning_content): past thinking
         if images:
             msg["images"] = images
         if calls:
@@ -311,18 +316,46 @@ def _finish(done_reason: str | None, tool_calls: bool) -> str:
     return "length" if done_reason == "length" else "stop"
 
 
-def _openai_calls(calls: list[dict[str, Any]], *, with_index: bool = False) -> list[dict[str, Any]]:
+def _openai_calls(calls: list[ToolCall], *, with_index: bool = False) -> list[dict[str, Any]]:
     out = []
-    for i, c in enumerate(calls):
+    for c in calls:
         item: dict[str, Any] = {
-            "id": c.get("id") or _id("call"),
+            "id": c.id or _id("call"),
             "type": "function",
-            "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"].get("arguments") or {})},
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
         }
         if with_index:
-            item["index"] = i
+            item = {"index": c.index, **item}
         out.append(item)
     return out
+
+
+# reasoning_effort (or reasoning.effort) -> Ollama's think, as Ollama's OpenAI layer maps it: OpenAI's scale runs
+# past Ollama's at both ends, so it is clamped, not refused
+EFFORTS: dict[str, bool | str] = {
+    "none": False,
+    "minimal": "low",
+    "low": "low",
+    "medium": "medium",
+    "high": "high",
+    "max": "max",
+    "xhigh": "max",
+    "ultra": "max",
+}
+
+
+def think_of(body: dict[str, Any]) -> bool | str | None:
+    """``think`` from ``reasoning_effort`` or ``reasoning.effort``; None (the model's default) when absent."""
+    reasoning = get(body, "reasoning", "dict")
+    where = "reasoning.effort" if reasoning is not None else "reasoning_effort"
+    effort = (reasoning or {}).get("effort") if reasoning is not None else body.get("reasoning_effort")
+    if effort is None or effort == "":
+        return None
+    if effort not in EFFORTS:
+        raise BadParam(
+            where, f"invalid reasoning value {effort!r}: use none, minimal, low, medium, high, xhigh, ultra or max"
+        )
+    return EFFORTS[effort]
 
 
 def _openai_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -342,15 +375,16 @@ def _openai_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _usage(final: dict[str, Any]) -> dict[str, Any]:
+def _usage(final: Finished | None) -> dict[str, Any]:
     """OpenAI's usage. prompt_tokens counts every prompt token (as Ollama); of them, cached_tokens were found in
     the runner's KV cache (or restored from RAM) and not evaluated again, as OpenAI reports its prompt caching."""
-    p, c = int(final.get("prompt_eval_count") or 0), int(final.get("eval_count") or 0)
+    final = final or Finished("stop")
+    p, c = final.prompt_eval_count, final.eval_count
     return {
         "prompt_tokens": p,
         "completion_tokens": c,
         "total_tokens": p + c,
-        "prompt_tokens_details": {"cached_tokens": int(final.get("_prompt_cached") or 0)},
+        "prompt_tokens_details": {"cached_tokens": final.prompt_cached},
     }
 
 
@@ -385,8 +419,8 @@ def openai_stream(frames: AsyncGenerator[bytes, None], rest: AsyncIterator[Any])
 
 
 # -- several choices ------------------------------------------------------------------------------------------
-Chunks = AsyncIterator[dict[str, Any]]
-Started = tuple[dict[str, Any] | None, Chunks]  # a choice's first chunk (None: no output) and the rest
+Chunks = AsyncIterator[Event]
+Started = tuple[Event | None, Chunks]  # a choice's first chunk (None: no output) and the rest
 
 
 async def _start_choices(n: int, run: Callable[[int], Awaitable[Chunks]]) -> list[Started]:
@@ -417,7 +451,7 @@ async def _start_choices(n: int, run: Callable[[int], Awaitable[Chunks]]) -> lis
     return results  # type: ignore[return-value]
 
 
-async def _merged(started: list[Started]) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
+async def _merged(started: list[Started]) -> AsyncGenerator[tuple[int, Event], None]:
     """Every choice's chunks as ``(index, chunk)``, in the order they come; closing it stops every choice."""
     if len(started) == 1:
         first, rest = started[0]
@@ -429,9 +463,9 @@ async def _merged(started: list[Started]) -> AsyncGenerator[tuple[int, dict[str,
         finally:
             await rest.aclose()  # type: ignore[attr-defined]
         return
-    queue: asyncio.Queue[tuple[int, dict[str, Any] | None, BaseException | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Event | None, BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, chunk: dict[str, Any] | None, rest: Chunks) -> None:
+    async def pump(i: int, chunk: Event | None, rest: Chunks) -> None:
         try:
             while chunk is not None:
                 queue.put_nowait((i, chunk, None))
@@ -460,10 +494,10 @@ async def _merged(started: list[Started]) -> AsyncGenerator[tuple[int, dict[str,
             await rest.aclose()  # type: ignore[attr-defined]
 
 
-def _usage_of(finals: list[dict[str, Any]]) -> dict[str, Any]:
+def _usage_of(finals: list[Finished | None]) -> dict[str, Any]:
     """Usage over every choice: the prompt counted once, the completion tokens of all choices summed."""
     usage = _usage(finals[0])
-    completion = sum(int(f.get("eval_count") or 0) for f in finals)
+    completion = sum(f.eval_count for f in finals if f is not None)
     usage["completion_tokens"] = completion
     usage["total_tokens"] = usage["prompt_tokens"] + completion
     return usage
@@ -486,6 +520,7 @@ async def chat_completions(request: Request) -> Response:
     include_usage = bool((get(body, "stream_options", "dict") or {}).get("include_usage"))
     n = _choice_count(body)
     one_call = get(body, "parallel_tool_calls", "bool") is False  # at most one tool call per choice
+    think = think_of(body)
 
     def chat_request(i: int) -> ChatRequestBody:
         return parse_model(
@@ -500,13 +535,19 @@ async def chat_completions(request: Request) -> Response:
                 "logprobs": want_logprobs,
                 "top_logprobs": top,
                 "keep_alive": body.get("keep_alive"),
+                "think": think,
             },
         )
 
     req = chat_request(0)
+    if think is not None and think is not False:
+        ctx = await run_in_threadpool(inference(request).model, model)
+        if "thinking" not in ctx.capabilities:
+            req = req.model_copy(update={"think": None})  # as Ollama: an effort asked of a model that cannot think
 
     async def run(i: int) -> Chunks:
-        final, chunks = await run_chat(inference(request), req if i == 0 else chat_request(i), started)
+        one = req if i == 0 else chat_request(i).model_copy(update={"think": req.think})
+        final, chunks = await run_chat(inference(request), one, started)
         if chunks is None:
             raise InvalidRequest("'messages' must contain at least one message")
         return chunks
@@ -521,7 +562,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _chat_whole(
-    choices: AsyncGenerator[tuple[int, dict[str, Any]], None],
+    choices: AsyncGenerator[tuple[int, Event], None],
     n: int,
     cid: str,
     created: int,
@@ -530,21 +571,28 @@ async def _chat_whole(
     one_call: bool,
 ) -> dict[str, Any]:
     texts = [""] * n
-    calls: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+    reasoning = [""] * n
+    calls: list[list[ToolCall]] = [[] for _ in range(n)]
     lps: list[list[dict[str, Any]]] = [[] for _ in range(n)]
-    last: list[dict[str, Any]] = [{} for _ in range(n)]
+    last: list[Finished | None] = [None] * n
     try:
-        async for i, chunk in choices:
-            msg = chunk.get("message") or {}
-            texts[i] += msg.get("content") or ""
-            calls[i] += msg.get("tool_calls") or []
-            lps[i] += chunk.get("logprobs") or []
-            last[i] = chunk
+        async for i, event in choices:
+            if isinstance(event, Content):
+                texts[i] += event.text
+                lps[i] += event.logprobs
+            elif isinstance(event, Thinking):
+                reasoning[i] += event.text
+            elif isinstance(event, ToolCalls):
+                calls[i] += event.calls
+            else:
+                last[i] = event
     finally:
         await choices.aclose()
     out = []
     for i in range(n):
         message: dict[str, Any] = {"role": "assistant", "content": texts[i]}
+        if reasoning[i]:
+            message["reasoning"] = reasoning[i]  # Ollama's field for the thinking
         kept = calls[i][:1] if one_call else calls[i]
         if kept:
             message["tool_calls"] = _openai_calls(kept)
@@ -552,7 +600,7 @@ async def _chat_whole(
             {
                 "index": i,
                 "message": message,
-                "finish_reason": _finish(last[i].get("done_reason"), bool(kept)),
+                "finish_reason": _finish(last[i].done_reason if last[i] else None, bool(kept)),
                 "logprobs": _openai_logprobs(lps[i]) if want_logprobs else None,
             }
         )
@@ -568,7 +616,7 @@ async def _chat_whole(
 
 
 async def _chat_events(
-    choices: AsyncGenerator[tuple[int, dict[str, Any]], None],
+    choices: AsyncGenerator[tuple[int, Event], None],
     n: int,
     cid: str,
     created: int,
@@ -578,13 +626,13 @@ async def _chat_events(
     one_call: bool,
 ) -> AsyncGenerator[bytes, None]:
     def frame(
-        i: int, delta: dict[str, Any], finish: str | None = None, lps: list[dict[str, Any]] | None = None
+        i: int, delta: dict[str, Any], finish: str | None = None, lps: tuple[dict[str, Any], ...] = ()
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {
             "index": i,
             "delta": delta,
             "finish_reason": finish,
-            "logprobs": _openai_logprobs(lps) if (want_logprobs and lps) else None,
+            "logprobs": _openai_logprobs(list(lps)) if (want_logprobs and lps) else None,
         }
         return {
             "id": cid,
@@ -597,22 +645,28 @@ async def _chat_events(
 
     any_calls = [False] * n
     sent_role = [False] * n
-    finals: dict[int, dict[str, Any]] = {}
-    async for i, chunk in choices:
-        msg = chunk.get("message") or {}
-        if chunk.get("done"):
-            finals[i] = chunk
-            yield sse_data(frame(i, {}, _finish(chunk.get("done_reason"), any_calls[i])))
+    finals: dict[int, Finished] = {}
+    async for i, event in choices:
+        if isinstance(event, Finished):
+            finals[i] = event
+            yield sse_data(frame(i, {}, _finish(event.done_reason, any_calls[i])))
+            continue
+        if isinstance(event, ToolCalls) and one_call and any_calls[i]:
             continue
         delta: dict[str, Any] = {} if sent_role[i] else {"role": "assistant"}
         sent_role[i] = True
-        delta["content"] = msg.get("content") or ""
-        if msg.get("tool_calls"):
+        if isinstance(event, Content):
+            delta["content"] = event.text
+            yield sse_data(frame(i, delta, None, event.logprobs))
+        elif isinstance(event, Thinking):
+            delta["content"] = ""
+            delta["reasoning"] = event.text  # Ollama's field for streamed thinking
+            yield sse_data(frame(i, delta))
+        else:
             any_calls[i] = True
-            delta["tool_calls"] = _openai_calls(
-                msg["tool_calls"][:1] if one_call else msg["tool_calls"], with_index=True
-            )
-        yield sse_data(frame(i, delta, None, chunk.get("logprobs")))
+            delta["content"] = ""
+            delta["tool_calls"] = _openai_calls(list(event.calls[:1] if one_call else event.calls), with_index=True)
+            yield sse_data(frame(i, delta))
     if include_usage and finals:
         yield sse_data(
             {
@@ -622,7 +676,7 @@ async def _chat_events(
                 "model": model,
                 "system_fingerprint": FINGERPRINT,
                 "choices": [],
-                "usage": _usage_of([finals[i] for i in sorted(finals)]),
+                "usage": _usage_of([finals.get(i) for i in sorted(finals)]),
             }
         )
 
@@ -675,7 +729,7 @@ async def completions(request: Request) -> Response:
     async def run(i: int) -> Chunks:
         final, chunks = await run_generate(inference(request), req if i == 0 else generate_request(i), started)
         if chunks is None:  # an empty prompt only loads the model
-            chunks = _single(final or {})
+            return _single(Finished(done_reason=(final or {}).get("done_reason") or "load"))
         return chunks
 
     choices = _merged(await _start_choices(n, run))
@@ -709,43 +763,45 @@ class _Completion:
             "choices": [{"text": text, "index": i, "logprobs": logprobs, "finish_reason": finish}],
         }
 
-    async def whole(self, choices: AsyncGenerator[tuple[int, dict[str, Any]], None]) -> dict[str, Any]:
+    async def whole(self, choices: AsyncGenerator[tuple[int, Event], None]) -> dict[str, Any]:
         texts = [self.echoed] * self.n
         lps: list[list[dict[str, Any]]] = [[] for _ in range(self.n)]
-        last: list[dict[str, Any]] = [{} for _ in range(self.n)]
+        last: list[Finished | None] = [None] * self.n
         try:
-            async for i, chunk in choices:
-                texts[i] += chunk.get("response") or ""
-                lps[i] += chunk.get("logprobs") or []
-                last[i] = chunk
+            async for i, event in choices:
+                if isinstance(event, Content):
+                    texts[i] += event.text
+                    lps[i] += event.logprobs
+                elif isinstance(event, Finished):
+                    last[i] = event
         finally:
             await choices.aclose()
         out = [
-            self.obj(i, texts[i], _finish(last[i].get("done_reason"), False), lps[i])["choices"][0]
+            self.obj(i, texts[i], _finish(last[i].done_reason if last[i] else None, False), lps[i])["choices"][0]
             for i in range(self.n)
         ]
         return {**self.obj(0, "", None), "choices": out, "usage": _usage_of(last)}
 
     async def events(
-        self, choices: AsyncGenerator[tuple[int, dict[str, Any]], None], include_usage: bool
+        self, choices: AsyncGenerator[tuple[int, Event], None], include_usage: bool
     ) -> AsyncGenerator[bytes, None]:
         if self.echoed:
             for i in range(self.n):
                 yield sse_data(self.obj(i, self.echoed, None))
-        finals: dict[int, dict[str, Any]] = {}
-        async for i, chunk in choices:
-            if chunk.get("done"):
-                finals[i] = chunk
-                yield sse_data(self.obj(i, "", _finish(chunk.get("done_reason"), False)))
-                continue
-            yield sse_data(self.obj(i, chunk.get("response") or "", None, chunk.get("logprobs")))
+        finals: dict[int, Finished] = {}
+        async for i, event in choices:
+            if isinstance(event, Finished):
+                finals[i] = event
+                yield sse_data(self.obj(i, "", _finish(event.done_reason, False)))
+            elif isinstance(event, Content):
+                yield sse_data(self.obj(i, event.text, None, list(event.logprobs)))
         if include_usage and finals:
             yield sse_data(
-                {**self.obj(0, "", None), "choices": [], "usage": _usage_of([finals[i] for i in sorted(finals)])}
+                {**self.obj(0, "", None), "choices": [], "usage": _usage_of([finals.get(i) for i in sorted(finals)])}
             )
 
 
-async def _single(final: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+async def _single(final: Event) -> AsyncIterator[Event]:
     yield final
 
 

@@ -38,6 +38,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from daemon.bodies import parse_model
+from daemon.chat.types import Content, Event, Finished, Thinking, ToolCall, ToolCalls
 from daemon.compat import (
     BadParam,
     first_then,
@@ -51,22 +52,11 @@ from daemon.compat import (
 )
 from daemon.observe import note
 from daemon.routes.generate import inference, run_chat
-from daemon.routes.openai import call_schema
+from daemon.routes.openai import EFFORTS, call_schema
 from daemon.schemas import ChatRequestBody
 
 router = APIRouter()
 
-# reasoning.effort -> Ollama's think, as Ollama's openai layer maps it
-EFFORTS: dict[str, bool | str] = {
-    "none": False,
-    "minimal": "low",
-    "low": "low",
-    "medium": "medium",
-    "high": "high",
-    "max": "max",
-    "xhigh": "max",
-    "ultra": "max",
-}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
@@ -322,11 +312,11 @@ def _logprobs(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**one(e), "top_logprobs": [one(t) for t in e.get("top_logprobs") or []]} for e in entries]
 
 
-def _usage(final: dict[str, Any]) -> dict[str, Any]:
-    p, c = int(final.get("prompt_eval_count") or 0), int(final.get("eval_count") or 0)
+def _usage(final: Finished) -> dict[str, Any]:
+    p, c = final.prompt_eval_count, final.eval_count
     return {
         "input_tokens": p,
-        "input_tokens_details": {"cached_tokens": int(final.get("_prompt_cached") or 0)},
+        "input_tokens_details": {"cached_tokens": final.prompt_cached},
         "output_tokens": c,
         "output_tokens_details": {"reasoning_tokens": 0},  # thinking tokens are not counted apart
         "total_tokens": p + c,
@@ -349,7 +339,7 @@ class _Reply:
         self.message: dict[str, Any] | None = None
         self.reasoning: dict[str, Any] | None = None
 
-    def obj(self, status: str, final: dict[str, Any] | None = None) -> dict[str, Any]:
+    def obj(self, status: str, final: Finished | None = None) -> dict[str, Any]:
         text = get(self.body, "text", "dict") or {}
         reasoning = get(self.body, "reasoning", "dict") or {}
         incomplete = status == "incomplete"
@@ -503,20 +493,19 @@ class _Reply:
         self.reasoning, self.thinking = None, ""
         return out
 
-    def add_calls(self, calls: list[dict[str, Any]]) -> list[bytes]:
+    def add_calls(self, calls: tuple[ToolCall, ...]) -> list[bytes]:
         out = self.close_reasoning() + self.close_message("completed")
         for call in calls:
             if self.one_call and any(o["type"] == "function_call" for o in self.output):
                 break
-            fn = call["function"]
-            args = json.dumps(fn.get("arguments") or {})
+            args = json.dumps(call.arguments, ensure_ascii=False)
             item = {
                 "id": _id("fc"),
                 "type": "function_call",
                 "status": "in_progress",
                 "arguments": "",
-                "call_id": call.get("id") or _id("call"),
-                "name": fn["name"],
+                "call_id": call.id or _id("call"),
+                "name": call.name,
             }
             index = len(self.output)
             out.append(self.event("response.output_item.added", output_index=index, item=dict(item)))
@@ -528,7 +517,7 @@ class _Reply:
                     "response.function_call_arguments.done",
                     item_id=item["id"],
                     output_index=index,
-                    name=fn["name"],
+                    name=call.name,
                     arguments=args,
                 )
             )
@@ -537,23 +526,20 @@ class _Reply:
             self.output.append(item)
         return out
 
-    def feed(self, chunk: dict[str, Any]) -> list[bytes]:
-        """The events for one chunk of run_chat (the last one closes what is open and ends the response)."""
-        msg = chunk.get("message") or {}
-        out: list[bytes] = []
-        if msg.get("thinking"):
-            out += self.add_thinking(msg["thinking"])
-        if msg.get("content") or (chunk.get("logprobs") and not msg.get("tool_calls")):
-            out += self.add_text(msg.get("content") or "", chunk.get("logprobs") or [])
-        if msg.get("tool_calls"):
-            out += self.add_calls(msg["tool_calls"])
-        if chunk.get("done"):
-            status = self.status = "incomplete" if chunk.get("done_reason") == "length" else "completed"
-            out += self.close_reasoning()
-            if not self.output or self.message is not None:  # no output at all is an empty message
-                out += self.open_message() + self.close_message(status)
-            kind = "response.incomplete" if status == "incomplete" else "response.completed"
-            out.append(self.event(kind, response=self.obj(status, chunk)))
+    def feed(self, event: Event) -> list[bytes]:
+        """The stream events for one chat event (Finished closes what is open and ends the response)."""
+        if isinstance(event, Thinking):
+            return self.add_thinking(event.text)
+        if isinstance(event, Content):
+            return self.add_text(event.text, list(event.logprobs)) if event.text or event.logprobs else []
+        if isinstance(event, ToolCalls):
+            return self.add_calls(event.calls)
+        status = self.status = "incomplete" if event.done_reason == "length" else "completed"
+        out = self.close_reasoning()
+        if not self.output or self.message is not None:  # no output at all is an empty message
+            out += self.open_message() + self.close_message(status)
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        out.append(self.event(kind, response=self.obj(status, event)))
         return out
 
 
@@ -585,31 +571,29 @@ async def responses(request: Request) -> Response:
             "keep_alive": body.get("keep_alive"),
         },
     )
-    _, chunks = await run_chat(inference(request), req, started)
-    assert chunks is not None  # messages are never empty here
-    first, rest = await first_then(chunks)  # an error before any output is still a plain error answer
+    _, run = await run_chat(inference(request), req, started)
+    assert run is not None  # messages are never empty here
+    first, rest = await first_then(run)  # an error before any output is still a plain error answer
     reply = _Reply(body, model, want_logprobs, get(body, "parallel_tool_calls", "bool") is False)
     if not stream:
         try:
-            chunk = first
-            while chunk is not None:
-                reply.feed(chunk)
-                if chunk.get("done"):
-                    return JSONResponse(reply.obj(reply.status, chunk))
-                chunk = await anext(rest, None)
+            event = first
+            while event is not None:
+                reply.feed(event)
+                if isinstance(event, Finished):
+                    return JSONResponse(reply.obj(reply.status, event))
+                event = await anext(rest, None)
         finally:
             await rest.aclose()  # type: ignore[attr-defined]
         return JSONResponse(reply.obj("incomplete"))
     return sse_response(guarded(_events(reply, first, rest), rest, reply.error_event))
 
 
-async def _events(
-    reply: _Reply, first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]]
-) -> AsyncGenerator[bytes, None]:
+async def _events(reply: _Reply, first: Event | None, rest: AsyncIterator[Event]) -> AsyncGenerator[bytes, None]:
     yield reply.event("response.created", response=reply.obj("in_progress"))
     yield reply.event("response.in_progress", response=reply.obj("in_progress"))
-    chunk = first
-    while chunk is not None:
-        for frame in reply.feed(chunk):
+    event = first
+    while event is not None:
+        for frame in reply.feed(event):
             yield frame
-        chunk = await anext(rest, None)
+        event = await anext(rest, None)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from daemon.chat.types import Finished
 from daemon.compat import BadParam, get, guarded
 from daemon.routes import anthropic as anth
 from daemon.routes import openai as oai
@@ -167,10 +168,10 @@ def test_anthropic_messages_translate() -> None:
 
 
 def test_anthropic_stop_reasons() -> None:
-    assert anth._stop_reason({"done_reason": "stop"}, True) == ("tool_use", None)
-    assert anth._stop_reason({"done_reason": "length"}, False) == ("max_tokens", None)
-    assert anth._stop_reason({"done_reason": "stop", "_stop_sequence": "!"}, False) == ("stop_sequence", "!")
-    assert anth._stop_reason({"done_reason": "stop"}, False) == ("end_turn", None)
+    assert anth._stop_reason(Finished("stop"), True) == ("tool_use", None)
+    assert anth._stop_reason(Finished("length"), False) == ("max_tokens", None)
+    assert anth._stop_reason(Finished("stop", stop_sequence="!"), False) == ("stop_sequence", "!")
+    assert anth._stop_reason(Finished("stop"), False) == ("end_turn", None)
 
 
 class Chunks:

@@ -1,0 +1,240 @@
+"""A model's chat behaviour, pure: which renderer or template makes its prompt, which parser reads its output, what
+it can do (thinking, tools), and the step from generated pieces to typed events (content, thinking, tool calls).
+
+The route code (daemon/routes/generate.py) holds the runner and the lease; everything here is text in, values out.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import secrets
+import string
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from daemon import prompt as prompts
+from daemon.chat import infer, renderers
+from daemon.chat.parsers import parser_for
+from daemon.chat.parsers.base import Parser
+from daemon.chat.parsers.tools import GenericParser
+from daemon.chat.schema import check_arguments
+from daemon.chat.types import Content, Event, Parsed, Thinking, ThinkValue, ToolCall, ToolCalls, think_enabled
+from registry.errors import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChatModel:
+    """What decides a model's chat behaviour: its Go TEMPLATE, the GGUF's Jinja chat template (used when there is
+    no Go template), and the Modelfile's RENDERER and PARSER names (empty: none)."""
+
+    template: str | None = None
+    chat_template: str | None = None
+    renderer: str = ""
+    parser: str = ""
+
+    @property
+    def think_tags(self) -> tuple[str, str]:
+        """The tags around thinking, inferred from the template as Ollama does (("", "") when it cannot think)."""
+        return think_tags(self.template, self.chat_template)
+
+    def builtin_parser(self) -> Parser | None:
+        return parser_for(self.parser) if self.parser else None
+
+    def capabilities(self) -> list[str]:
+        """``thinking`` and ``tools`` as this model's template, renderer and parser allow them."""
+        caps = []
+        builtin = self.builtin_parser()
+        if builtin is not None and builtin.has_tools:
+            caps.append("tools")
+        elif self.template:
+            if ".Tools" in self.template:
+                caps.append("tools")
+        elif self.chat_template and ("tools" in self.chat_template or "tool_call" in self.chat_template):
+            caps.append("tools")
+        if all(self.think_tags) or (builtin is not None and builtin.has_thinking):
+            caps.append("thinking")
+        return caps
+
+
+@functools.lru_cache(maxsize=256)
+def think_tags(template: str | None, chat_template: str | None) -> tuple[str, str]:
+    try:
+        if template:
+            opening, closing = infer.infer_think_tags(template)
+        elif chat_template:
+            opening, closing = infer.infer_think_tags_jinja(chat_template)
+        else:
+            return "", ""
+    except Exception as exc:  # noqa: BLE001 - a template that does not parse cannot think; it fails when rendered
+        log.debug("inferring thinking tags: %s", exc)
+        return "", ""
+    return (opening, closing) if opening and closing else ("", "")
+
+
+@functools.lru_cache(maxsize=256)
+def tool_tag(template: str | None, chat_template: str | None) -> str:
+    try:
+        if template:
+            return infer.infer_tool_tag(template) or "{"
+        if chat_template:
+            return infer.infer_tool_tag_jinja(chat_template) or "{"
+    except Exception as exc:  # noqa: BLE001
+        log.debug("inferring the tool-call tag: %s", exc)
+    return "{"
+
+
+def normalise_think(think: Any) -> ThinkValue:
+    """A request's ``think``: "true"/"false" strings as booleans, levels as they are."""
+    if think in ("true", "false"):
+        return think == "true"
+    return think  # type: ignore[no-any-return]
+
+
+def render(
+    model: ChatModel,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    think: ThinkValue,
+) -> str:
+    """The prompt for a chat: the model's RENDERER when it names one corral has, else its template."""
+    if model.renderer:
+        renderer = renderers.renderer_for(model.renderer)
+        if renderer is not None:
+            return renderer.render(prompts.tag_images(messages), tools, think)
+        log.warning("no renderer named %r; using the model's template", model.renderer)
+    return prompts.render_messages(model.template, model.chat_template, messages, tools=tools, think=think)
+
+
+def strip_past_thinking(model: ChatModel, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Earlier assistant turns (before the last user message) lose thinking written into their content between the
+    model's tags: it only costs context and hurts answers (Ollama does this for qwen3 and deepseek-r1)."""
+    opening, closing = model.think_tags
+    if not opening:
+        return messages
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if m.get("role") == "assistant" and i < last_user and isinstance(content, str) and opening in content:
+            splitter = GenericParser((opening, closing), None, False)
+            splitter.init(None, None, True)
+            m = {**m, "content": splitter.add(content, True).content}
+        out.append(m)
+    return out
+
+
+def output_parser(
+    model: ChatModel,
+    *,
+    tools: Sequence[Mapping[str, Any]] | None,
+    last: Mapping[str, Any] | None,
+    think: ThinkValue,
+    prompt: str,
+    raw: bool = False,
+    forced_call: bool = False,
+) -> tuple[Parser, bool]:
+    """The parser for one generation, initialised, and whether it splits thinking off. The Modelfile's PARSER when
+    corral has it; else the generic one: thinking between the tags inferred from the template (when ``think`` is
+    on), tool calls after the tag the template uses (when tools were given). ``raw`` prompts get none of that.
+    ``forced_call``: a grammar makes the answer one bare JSON call (tool_choice required or naming a tool), which
+    the generic parser reads whatever the family's own format is."""
+    builtin = None if raw or forced_call else model.builtin_parser()
+    if builtin is not None:
+        builtin.init(tools or None, last, think)
+        return builtin, builtin.has_thinking and think is not False
+    opening, closing = model.think_tags
+    thinks = not raw and think_enabled(think) and bool(opening)
+    generic = GenericParser(
+        (opening, closing) if thinks else None,
+        ("{" if forced_call else tool_tag(model.template, model.chat_template)) if tools and not raw else None,
+        thinks and prompt.rstrip().endswith(opening),
+    )
+    generic.init(tools or None, last, think)
+    return generic, thinks
+
+
+def is_call_schema(fmt: Any) -> bool:
+    """Whether ``fmt`` is the grammar the dialects build to force a tool call (daemon.routes.openai.call_schema)."""
+    if not isinstance(fmt, Mapping):
+        return False
+    options = fmt.get("anyOf") if isinstance(fmt.get("anyOf"), list) else [fmt]
+    return all(
+        isinstance(o, Mapping)
+        and isinstance(o.get("properties"), Mapping)
+        and set(o["properties"]) == {"name", "arguments"}
+        and isinstance(o["properties"]["name"], Mapping)
+        and "const" in o["properties"]["name"]
+        for o in options
+    )
+
+
+def call_id() -> str:
+    return "call_" + "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
+class EventStream:
+    """Generated pieces → events, through one parser. A tool call is checked against the request's tools: a call
+    of a tool that was not declared, or with arguments that do not match the tool's schema, is not a tool call; its
+    text stays in the answer as content, so nothing is lost."""
+
+    def __init__(self, parser: Parser, tools: Sequence[Mapping[str, Any]] | None) -> None:
+        self.parser = parser
+        self.schemas: dict[str, Mapping[str, Any] | None] = {}
+        for t in tools or ():
+            fn = t.get("function") if isinstance(t.get("function"), Mapping) else t
+            if isinstance(fn, Mapping) and isinstance(fn.get("name"), str):
+                params = fn.get("parameters")
+                self.schemas[fn["name"]] = params if isinstance(params, Mapping) else None
+        self.calls = 0
+
+    def add(self, text: str, logprobs: Iterable[dict[str, Any]] = (), *, done: bool = False) -> list[Event]:
+        try:
+            parsed = self.parser.add(text, done)
+        except Exception as exc:  # a parser bug must not lose the answer
+            log.exception("output parser %s failed: %s", type(self.parser).__name__, exc)
+            parsed = Parsed(content=text)
+        return self._events(parsed, tuple(logprobs))
+
+    def _events(self, parsed: Parsed, logprobs: tuple[dict[str, Any], ...]) -> list[Event]:
+        out: list[Event] = []
+        if parsed.thinking:
+            out.append(Thinking(parsed.thinking))
+        content = parsed.content
+        calls: list[ToolCall] = []
+        for call in parsed.calls:
+            checked, problem = self._check(call)
+            if checked is None:
+                log.info("model output not taken as a tool call: %s", problem)
+                content += json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+                continue
+            calls.append(checked)
+        if content or logprobs:
+            out.append(Content(content, logprobs))
+        if calls:
+            out.append(ToolCalls(tuple(calls)))
+        return out
+
+    def _check(self, call: ToolCall) -> tuple[ToolCall | None, str]:
+        if call.name not in self.schemas:
+            return None, f"{call.name!r} is not among the request's tools"
+        arguments, problem = check_arguments(dict(call.arguments), self.schemas[call.name])
+        if problem is not None:
+            return None, f"arguments of {call.name!r} do not match its schema: {problem}"
+        checked = ToolCall(name=call.name, arguments=arguments, id=call_id(), index=self.calls)
+        self.calls += 1
+        return checked, ""
+
+
+def check_think(capabilities: Sequence[str], raw_name: str, think: Any) -> None:
+    """Ollama's checks of ``think``: a known value, and a model that can think when it is on."""
+    if think in (None, False, "false"):
+        return
+    if isinstance(think, str) and think not in ("true", "low", "medium", "high", "max"):
+        raise InvalidRequest(f'invalid think value: "{think}" (must be true, false, "low", "medium", "high" or "max")')
+    if "thinking" not in capabilities:
+        raise InvalidRequest(f'"{raw_name}" does not support thinking')
