@@ -42,8 +42,15 @@ class ChatModel:
         """The tags around thinking, inferred from the template as Ollama does (("", "") when it cannot think)."""
         return think_tags(self.template, self.chat_template)
 
+    @property
+    def parser_name(self) -> str:
+        """The Modelfile's PARSER, else the family parser the template's own markers name (as Ollama picks harmony
+        for gpt-oss), else "" (the generic parser)."""
+        return self.parser or detect_parser(self.template, self.chat_template)
+
     def builtin_parser(self) -> Parser | None:
-        return parser_for(self.parser) if self.parser else None
+        name = self.parser_name
+        return parser_for(name) if name else None
 
     def capabilities(self) -> list[str]:
         """``thinking`` and ``tools`` as this model's template, renderer and parser allow them."""
@@ -59,6 +66,30 @@ class ChatModel:
         if all(self.think_tags) or (builtin is not None and builtin.has_thinking):
             caps.append("thinking")
         return caps
+
+
+# Markers in a template that only one family's output format uses, and the parser for it. Formats the generic parser
+# reads (``<think>`` thinking, ``<tool_call>{json}``, a bare JSON call) need no entry.
+_FAMILY_MARKERS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("<|channel|>", "<|start|>"), "harmony"),  # gpt-oss
+    (("<function=", "<parameter="), "qwen3-coder"),
+    (("<｜tool▁calls▁begin｜>", "<｜tool▁sep｜>"), "deepseek3"),
+    (("<arg_key>", "<arg_value>", "<|assistant|><think>"), "glm-4.7"),
+    (("<arg_key>", "<arg_value>"), "glm-4.6"),
+    (("[TOOL_CALLS]", "[ARGS]"), "ministral"),
+    (("<start_function_call>",), "functiongemma"),
+    (("<|python_tag|>",), "llama3"),
+)
+
+
+@functools.lru_cache(maxsize=256)
+def detect_parser(template: str | None, chat_template: str | None) -> str:
+    """The family parser a template's markers name, or ""."""
+    text = template or chat_template or ""
+    for markers, name in _FAMILY_MARKERS:
+        if all(m in text for m in markers):
+            return name
+    return ""
 
 
 @functools.lru_cache(maxsize=256)
@@ -134,28 +165,35 @@ def output_parser(
     tools: Sequence[Mapping[str, Any]] | None,
     last: Mapping[str, Any] | None,
     think: ThinkValue,
-    prompt: str,
     raw: bool = False,
     forced_call: bool = False,
-) -> tuple[Parser, bool]:
-    """The parser for one generation, initialised, and whether it splits thinking off. The Modelfile's PARSER when
-    corral has it; else the generic one: thinking between the tags inferred from the template (when ``think`` is
-    on), tool calls after the tag the template uses (when tools were given). ``raw`` prompts get none of that.
-    ``forced_call``: a grammar makes the answer one bare JSON call (tool_choice required or naming a tool), which
-    the generic parser reads whatever the family's own format is."""
+) -> tuple[Parser, bool, Sequence[Mapping[str, Any]] | None]:
+    """The parser for one generation, initialised before the prompt is rendered (call :func:`rendered` after), whether
+    it splits thinking off, and the tools to render (a parser may rename them, as harmony does). The Modelfile's
+    PARSER, or the family's (``ChatModel.parser_name``), when corral has it; else the generic one: thinking between
+    the tags inferred from the template (when ``think`` is on), tool calls after the tag the template uses (when
+    tools were given). ``raw`` prompts get none of that. ``forced_call``: a grammar makes the answer one bare JSON
+    call (tool_choice required or naming a tool), which the generic parser reads whatever the family's format is."""
     builtin = None if raw or forced_call else model.builtin_parser()
     if builtin is not None:
-        builtin.init(tools or None, last, think)
-        return builtin, builtin.has_thinking and think is not False
+        shown = builtin.init(tools or None, last, think)
+        return builtin, builtin.has_thinking and think is not False, shown if tools else None
     opening, closing = model.think_tags
     thinks = not raw and think_enabled(think) and bool(opening)
     generic = GenericParser(
         (opening, closing) if thinks else None,
         ("{" if forced_call else tool_tag(model.template, model.chat_template)) if tools and not raw else None,
-        thinks and prompt.rstrip().endswith(opening),
     )
     generic.init(tools or None, last, think)
-    return generic, thinks
+    return generic, thinks, tools
+
+
+def rendered(parser: Parser, model: ChatModel, prompt: str) -> None:
+    """Tell the generic parser that the prompt ended with the opening thinking tag (the model starts inside its
+    thinking), as Ollama checks it."""
+    opening = model.think_tags[0]
+    if isinstance(parser, GenericParser) and opening and prompt.rstrip().endswith(opening):
+        parser.prefill()
 
 
 def is_call_schema(fmt: Any) -> bool:

@@ -248,6 +248,7 @@ async def run_generate(
         return {**base, "created_at": now_rfc3339(), "response": "", "done": True, "done_reason": "load"}, None
 
     chat = ctx.chat if not req.template else ChatModel(template=req.template)
+    parser, _, _ = pipeline.output_parser(chat, tools=None, last=None, think=think, raw=req.raw)
     if req.raw:
         text = req.prompt
     else:
@@ -265,7 +266,8 @@ async def run_generate(
         )
     if inf.settings.log_prompts:
         note(prompt=text)
-    parser, _ = pipeline.output_parser(chat, tools=None, last=None, think=think, prompt=text, raw=req.raw)
+    if not req.raw:
+        pipeline.rendered(parser, chat, text)
     greq = GenerateRequest(
         prompt=text, params=params, context=tuple(req.context or ()), shift=req.shift, truncate=req.truncate
     )
@@ -421,19 +423,20 @@ async def run_chat(
         }, None
 
     msgs = build_messages(ctx, request_messages)
+    forced = bool(req.tools) and pipeline.is_call_schema(req.format)
+    parser, thinks, tools = pipeline.output_parser(
+        ctx.chat, tools=req.tools, last=msgs[-1], think=think, forced_call=forced
+    )
     lease = await inf.acquire(ctx, spec, keep_alive)
     try:
-        text = await render_chat(lease, ctx, msgs, req.tools, spec.num_ctx, req.truncate, think)
+        text = await render_chat(lease, ctx, msgs, list(tools) if tools else None, spec.num_ctx, req.truncate, think)
         prompt_count = len(await lease.runner.tokenize(text)) if count_prompt else None
     except BaseException:
         lease.release()
         raise
+    pipeline.rendered(parser, ctx.chat, text)
     if inf.settings.log_prompts:
         note(prompt=text)
-    forced = bool(req.tools) and pipeline.is_call_schema(req.format)
-    parser, thinks = pipeline.output_parser(
-        ctx.chat, tools=req.tools, last=msgs[-1], think=think, prompt=text, forced_call=forced
-    )
     defer_format = req.format is not None and req.format != "" and thinks
     params = _with_logprobs(inf.sample_params(opts, None if defer_format else req.format), req)
     greq = GenerateRequest(prompt=text, params=params, shift=req.shift, truncate=req.truncate)
@@ -455,17 +458,20 @@ async def run_chat(
         finally:
             await first.aclose()  # type: ignore[attr-defined]
         again = [*msgs, {"role": "assistant", "content": "", "thinking": "".join(thought)}] if thought else msgs
+        # the thinking is over: the parser starts in the answer (the prompt is rendered with the request's think)
+        parser2, _, tools2 = pipeline.output_parser(
+            ctx.chat, tools=req.tools, last=again[-1], think=False, forced_call=forced
+        )
         lease2 = await inf.acquire(ctx, spec, keep_alive)
         try:
-            text2 = await render_chat(lease2, ctx, again, req.tools, spec.num_ctx, req.truncate, think)
+            text2 = await render_chat(
+                lease2, ctx, again, list(tools2) if tools2 else None, spec.num_ctx, req.truncate, think
+            )
         except BaseException:
             lease2.release()
             raise
-        if ctx.chat.parser == "harmony" and thought:
+        if ctx.chat.parser_name == "harmony" and thought:
             text2 += "<|end|><|start|>assistant<|channel|>final<|message|>"  # past the thinking, into the answer
-        parser2, _ = pipeline.output_parser(
-            ctx.chat, tools=req.tools, last=again[-1], think=False, prompt=text2, forced_call=forced
-        )
         greq2 = GenerateRequest(
             prompt=text2,
             params=_with_logprobs(inf.sample_params(opts, req.format), req),

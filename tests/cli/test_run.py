@@ -22,6 +22,7 @@ from cli.commands.ps import processor, rows, until
 from cli.commands.run import think_value
 from cli.interactive import Repl, Session
 from registry.errors import InvalidRequest
+from tests.compat.conftest import THINK_TEMPLATE
 from tests.conftest import REPO, Daemon, start_daemon, stop_daemon
 from tests.models import smollm2_path, write_tiny_gguf
 
@@ -145,6 +146,13 @@ def daemon_with_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dae
         )
         r = d.cli("create", "smol", "-f", str(tmp / "Smolfile"))
         assert r.returncode == 0, r.stderr
+        (tmp / "Thinkfile").write_text(
+            f"FROM {SMOL}\nPARAMETER temperature 0\nPARAMETER num_ctx 1024\nPARAMETER num_predict 24\n"
+            'PARAMETER stop "<|im_end|>"\n'
+            f'TEMPLATE """{THINK_TEMPLATE}"""\n'
+        )
+        r = d.cli("create", "smol-think", "-f", str(tmp / "Thinkfile"))
+        assert r.returncode == 0, r.stderr
     try:
         yield d
     finally:
@@ -193,6 +201,25 @@ def test_run_format_json(daemon_with_models: Daemon) -> None:
     assert isinstance(json.loads(r.stdout), dict)  # type: ignore[attr-defined]
     bad = daemon_with_models.cli("run", "smol", "--format", "xml", "hi")
     assert bad.returncode == 1 and 'invalid format "xml"' in bad.stderr
+
+
+@needs_smol
+def test_run_shows_or_hides_thinking(daemon_with_models: Daemon) -> None:
+    d = daemon_with_models
+    api = httpx.post(
+        d.url + "/api/generate",
+        json={"model": "smol-think", "prompt": "What is 3+3?", "stream": False, "think": True},
+        timeout=120,
+    ).json()
+    assert api["thinking"] and not api["response"]  # this model thinks and never closes its <think> unprompted
+    shown = ok(d.cli("run", "smol-think", "What is 3+3?"))
+    assert "Thinking..." in shown.stdout and api["thinking"].split()[0] in shown.stdout  # type: ignore[attr-defined]
+    hidden = ok(d.cli("run", "smol-think", "--hidethinking", "What is 3+3?"))
+    assert "Thinking..." not in hidden.stdout and api["thinking"].strip() not in hidden.stdout  # type: ignore[attr-defined]
+    off = ok(d.cli("run", "smol-think", "--think=false", "What is 3+3?"))
+    assert "Thinking..." not in off.stdout and off.stdout.strip()  # type: ignore[attr-defined]
+    no = d.cli("run", "smol", "--think=true", "hi")
+    assert no.returncode == 1 and "does not support thinking" in no.stderr
 
 
 def test_run_errors(daemon_with_models: Daemon) -> None:
