@@ -123,7 +123,7 @@ def normalise_think(think: Any) -> ThinkValue:
     """A request's ``think``: "true"/"false" strings as booleans, levels as they are."""
     if think in ("true", "false"):
         return think == "true"
-    return think  # type: ignore[no-any-return]
+    return think
 
 
 def render(
@@ -200,7 +200,8 @@ def is_call_schema(fmt: Any) -> bool:
     """Whether ``fmt`` is the grammar the dialects build to force a tool call (daemon.routes.openai.call_schema)."""
     if not isinstance(fmt, Mapping):
         return False
-    options = fmt.get("anyOf") if isinstance(fmt.get("anyOf"), list) else [fmt]
+    any_of = fmt.get("anyOf")
+    options: list[Any] = any_of if isinstance(any_of, list) else [fmt]
     return all(
         isinstance(o, Mapping)
         and isinstance(o.get("properties"), Mapping)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 _MAX_DEPTH = 64
@@ -227,3 +227,20 @@ def check_arguments(arguments: dict[str, Any], schema: Mapping[str, Any] | None)
     if not isinstance(checked, dict):
         return arguments, "arguments: expected object"
     return checked, None
+
+
+def declared_function(tools: Iterable[Any] | None, name: str) -> Mapping[str, Any] | None:
+    """The ``function`` object of the request's tool called ``name`` (Ollama/OpenAI shape), or None when no such
+    tool was declared."""
+    for tool in tools or ():
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if isinstance(fn, Mapping) and fn.get("name") == name:
+            return fn
+    return None
+
+
+def declared_properties(function: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """The parameter schemas of a declared function, by argument name (empty when it declares none)."""
+    params = (function or {}).get("parameters")
+    props = params.get("properties") if isinstance(params, Mapping) else None
+    return props if isinstance(props, Mapping) else {}

@@ -6,7 +6,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -329,7 +329,7 @@ async def render_chat(
     lease: Lease,
     ctx: ModelContext,
     msgs: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None,
+    tools: Sequence[Mapping[str, Any]] | None,
     num_ctx: int,
     truncate: bool,
     think: Any,
@@ -429,7 +429,7 @@ async def run_chat(
     )
     lease = await inf.acquire(ctx, spec, keep_alive)
     try:
-        text = await render_chat(lease, ctx, msgs, list(tools) if tools else None, spec.num_ctx, req.truncate, think)
+        text = await render_chat(lease, ctx, msgs, tools or None, spec.num_ctx, req.truncate, think)
         prompt_count = len(await lease.runner.tokenize(text)) if count_prompt else None
     except BaseException:
         lease.release()
@@ -464,9 +464,7 @@ async def run_chat(
         )
         lease2 = await inf.acquire(ctx, spec, keep_alive)
         try:
-            text2 = await render_chat(
-                lease2, ctx, again, list(tools2) if tools2 else None, spec.num_ctx, req.truncate, think
-            )
+            text2 = await render_chat(lease2, ctx, again, tools2 or None, spec.num_ctx, req.truncate, think)
         except BaseException:
             lease2.release()
             raise

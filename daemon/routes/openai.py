@@ -310,6 +310,10 @@ def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # -- response translation -------------------------------------------------------------------------------------
+def _reason(final: Finished | None) -> str | None:
+    return final.done_reason if final is not None else None
+
+
 def _finish(done_reason: str | None, tool_calls: bool) -> str:
     if tool_calls:
         return "tool_calls"
@@ -600,7 +604,7 @@ async def _chat_whole(
             {
                 "index": i,
                 "message": message,
-                "finish_reason": _finish(last[i].done_reason if last[i] else None, bool(kept)),
+                "finish_reason": _finish(_reason(last[i]), bool(kept)),
                 "logprobs": _openai_logprobs(lps[i]) if want_logprobs else None,
             }
         )
@@ -776,10 +780,7 @@ class _Completion:
                     last[i] = event
         finally:
             await choices.aclose()
-        out = [
-            self.obj(i, texts[i], _finish(last[i].done_reason if last[i] else None, False), lps[i])["choices"][0]
-            for i in range(self.n)
-        ]
+        out = [self.obj(i, texts[i], _finish(_reason(last[i]), False), lps[i])["choices"][0] for i in range(self.n)]
         return {**self.obj(0, "", None), "choices": out, "usage": _usage_of(last)}
 
     async def events(

@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
+from daemon.chat.pipeline import ChatModel
 from tests.conftest import Daemon, start_daemon, stop_daemon
 from tests.models import write_tiny_gguf
 from tests.watch import MB, Watch
@@ -418,9 +419,8 @@ def test_truncation_by_binary_search_keeps_the_old_prompt(template: str) -> None
     from daemon.routes.generate import render_chat
 
     go = "{{ if .System }}[S]{{ .System }}{{ end }}{{ range .Messages }}<{{ .Role }}>{{ .Content }}{{ end }}<a>"
-    ctx = SimpleNamespace(
-        template=go if template == "go" else None, chat_template=CHATML if template == "jinja" else None
-    )
+    tpl, jinja = (go if template == "go" else None), (CHATML if template == "jinja" else None)
+    ctx = SimpleNamespace(template=tpl, chat_template=jinja, chat=ChatModel(template=tpl, chat_template=jinja))
     rng = random.Random(17)
 
     def count(text: str) -> int:
@@ -453,7 +453,7 @@ def test_truncating_a_long_chat_takes_a_few_renders() -> None:
     from daemon.prompt import render_messages
     from daemon.routes.generate import render_chat
 
-    ctx = SimpleNamespace(template=None, chat_template=CHATML)
+    ctx = SimpleNamespace(template=None, chat_template=CHATML, chat=ChatModel(chat_template=CHATML))
     calls: list[str] = []
     t0 = time.monotonic()
     text = asyncio.run(render_chat(fake_lease(len, calls), ctx, long_chat(5000), None, 2000, True, None))

@@ -23,7 +23,7 @@ def register(*names: str, **kwargs: object) -> Callable[[P], P]:
         for name in names:
             if name in _REGISTRY:
                 raise ValueError(f"parser {name!r} registered twice")
-            _REGISTRY[name] = lambda cls=cls: cls(**kwargs)  # type: ignore[operator,misc]
+            _REGISTRY[name] = lambda cls=cls: cls(**kwargs)  # type: ignore[misc]
         return cls
 
     return deco

@@ -12,10 +12,9 @@ from enum import Enum, auto
 
 from daemon.chat.parsers import register
 from daemon.chat.parsers.base import Message, Tool
+from daemon.chat.parsers.text import ThinkingFirst, assistant_prefill, earliest, give_call, hold_back
 from daemon.chat.types import Parsed, ThinkValue, ToolCall, think_enabled
 
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
 CALL_BEGIN = "<｜tool▁call▁begin｜>"
@@ -25,37 +24,16 @@ OUTPUT_BEGIN = "<｜tool▁output▁begin｜>"
 OUTPUT_END = "<｜tool▁output▁end｜>"
 OUTPUTS_BEGIN = "<｜tool▁outputs▁begin｜>"
 OUTPUTS_END = "<｜tool▁outputs▁end｜>"
+_CONTENT_TAGS = (CALLS_BEGIN, CALL_BEGIN, OUTPUT_BEGIN, OUTPUTS_BEGIN)
 
 
 class _State(Enum):
-    START = auto()  # before the first visible text: an optional <think> may open thinking (R1)
-    THINKING = auto()
+    """The answer's states; the thinking before it is :class:`ThinkingFirst`'s."""
+
     CONTENT = auto()
     CALLS = auto()  # inside <｜tool▁calls▁begin｜> ... <｜tool▁calls▁end｜>
     OUTPUT = auto()  # inside <｜tool▁output▁begin｜> ... <｜tool▁output▁end｜>: echoed tool output, kept as content
     OUTPUTS = auto()  # inside <｜tool▁outputs▁begin｜> ... <｜tool▁outputs▁end｜>: dropped (cogito)
-
-
-def partial_suffix(buf: str, tags: Sequence[str]) -> int:
-    """Length of the longest end of ``buf`` that is the start of one of ``tags``: text that must wait for the next
-    piece, since it may yet become a tag."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(tag) - 1, len(buf)), best, -1):
-            if buf.endswith(tag[:n]):
-                best = n
-                break
-    return best
-
-
-def earliest(buf: str, tags: Sequence[str]) -> tuple[int, str]:
-    """The first complete tag in ``buf`` (index and tag), or ``(-1, "")``."""
-    found = (-1, "")
-    for tag in tags:
-        i = buf.find(tag)
-        if i != -1 and (found[0] == -1 or i < found[0]):
-            found = (i, tag)
-    return found
 
 
 def parse_call(inner: str) -> ToolCall | None:
@@ -81,7 +59,7 @@ def parse_call(inner: str) -> ToolCall | None:
     return ToolCall(name=name, arguments=args) if isinstance(args, dict) else None
 
 
-class DeepSeekParser:
+class DeepSeekParser(ThinkingFirst):
     """A streaming state machine over the DeepSeek tokens. Whitespace at the edges of thinking and around tool
     calls is trimmed (as Ollama does), so trailing whitespace is held back until the next visible character
     shows whether a tag follows; that keeps the result the same however the text is split."""
@@ -96,75 +74,26 @@ class DeepSeekParser:
         self._drop_outputs = drop_outputs
         self._think_with_tools = think_with_tools
         self._state = _State.CONTENT
-        self._after_start = _State.CONTENT
-        self._buf = ""
-        self._skip_ws = False
 
     def init(self, tools: Sequence[Tool] | None, last: Message | None, think: ThinkValue) -> Sequence[Tool] | None:
         thinking = self.has_thinking and think_enabled(think)
         if tools and not self._think_with_tools:
             thinking = False
         # an assistant prefill with text has left thinking already
-        if last is not None and last.get("role") == "assistant" and last.get("content"):
+        if assistant_prefill(last):
             thinking = False
-        self._buf, self._skip_ws = "", False
-        if self._think_tag:
-            # R1 writes <think> itself even when not asked; its thinking is separated, never shown as content
-            self._state, self._after_start = _State.START, (_State.THINKING if thinking else _State.CONTENT)
-        else:
-            self._state = _State.THINKING if thinking else _State.CONTENT
-            self._skip_ws = thinking
+        # R1 writes <think> itself even when not asked; its thinking is separated, never shown as content
+        self._begin(self._think_tag, thinking)
+        self._state = _State.CONTENT
         return tools
 
-    def add(self, text: str, done: bool) -> Parsed:
-        self._buf += text
-        out = Parsed()
-        while self._step(out):
-            pass
-        if done:
-            self._flush(out)
-        return out
-
-    def _content_tags(self) -> tuple[str, ...]:
-        return (CALLS_BEGIN, CALL_BEGIN, OUTPUT_BEGIN, OUTPUTS_BEGIN)
-
-    def _step(self, out: Parsed) -> bool:
-        """Consume what is certain; True when the state changed and the buffer should be looked at again."""
-        if self._skip_ws:
-            self._buf = self._buf.lstrip()
-            if not self._buf:
-                return False
-            self._skip_ws = False
-        buf = self._buf
-        if not buf:
-            return False
-        st = self._state
-        if st is _State.START:
-            head = buf.lstrip()
-            if head.startswith(THINK_OPEN):
-                self._buf, self._state, self._skip_ws = head[len(THINK_OPEN) :], _State.THINKING, True
-                return True
-            if not head or THINK_OPEN.startswith(head):
-                return False
-            self._state = self._after_start
-            self._skip_ws = self._state is _State.THINKING
-            return True
-        if st is _State.THINKING:
-            i = buf.find(THINK_CLOSE)
-            if i != -1:
-                out.thinking += buf[:i].rstrip()
-                self._buf, self._state, self._skip_ws = buf[i + len(THINK_CLOSE) :], _State.CONTENT, True
-                return True
-            sure = buf[: len(buf) - partial_suffix(buf, (THINK_CLOSE,))].rstrip()
-            out.thinking += sure
-            self._buf = buf[len(sure) :]
-            return False
+    def _step_answer(self, out: Parsed) -> bool:
+        buf, st = self._buf, self._state
         if st is _State.CONTENT:
-            i, tag = earliest(buf, self._content_tags())
+            i, tag = earliest(buf, _CONTENT_TAGS)
             if i == -1:
-                sure = buf[: len(buf) - partial_suffix(buf, self._content_tags())].rstrip()
+                sure, self._buf = hold_back(buf, _CONTENT_TAGS)
                 out.content += sure
-                self._buf = buf[len(sure) :]
                 return False
             if tag == OUTPUT_BEGIN:
                 out.content += buf[:i]  # echoed output keeps the text around it as written
@@ -183,22 +112,16 @@ class DeepSeekParser:
         if st is _State.CALLS:
             return self._step_calls(buf, out)
         if st is _State.OUTPUT:
-            i = buf.find(OUTPUT_END)
-            if i != -1:
-                out.content += buf[:i]
-                self._buf, self._state = buf[i + len(OUTPUT_END) :], _State.CONTENT
-                return True
-            sure = buf[: len(buf) - partial_suffix(buf, (OUTPUT_END,))]
-            out.content += sure
-            self._buf = buf[len(sure) :]
-            return False
+            text, tag = self._cut((OUTPUT_END,), trim=False)
+            out.content += text
+            if tag:
+                self._state = _State.CONTENT
+            return bool(tag)
         # OUTPUTS: the model's echo of tool results is not part of its answer
-        i = buf.find(OUTPUTS_END)
-        if i != -1:
-            self._buf, self._state, self._skip_ws = buf[i + len(OUTPUTS_END) :], _State.CONTENT, True
-            return True
-        self._buf = buf[len(buf) - partial_suffix(buf, (OUTPUTS_END,)) :]
-        return False
+        _, tag = self._cut((OUTPUTS_END,), trim=False)
+        if tag:
+            self._state, self._skip_ws = _State.CONTENT, True
+        return bool(tag)
 
     def _step_calls(self, buf: str, out: Parsed) -> bool:
         if buf.startswith(CALL_BEGIN):
@@ -206,10 +129,7 @@ class DeepSeekParser:
             if end == -1:
                 return False  # calls are not streamed: wait for the whole call
             call = parse_call(buf[len(CALL_BEGIN) : end])
-            if call is not None:
-                out.calls.append(call)
-            else:
-                out.content += buf[: end + len(CALL_END)]  # not a call: nothing is lost
+            give_call(out, call, buf[: end + len(CALL_END)])  # not a call: nothing is lost
             self._buf, self._skip_ws = buf[end + len(CALL_END) :], True
             return True
         if buf.startswith(CALLS_END):
@@ -220,29 +140,19 @@ class DeepSeekParser:
         # stray text between calls: content, up to the next call token
         i, _ = earliest(buf, (CALL_BEGIN, CALLS_END))
         if i == -1:
-            i = len(buf) - partial_suffix(buf, (CALL_BEGIN, CALLS_END))
+            i = len(hold_back(buf, (CALL_BEGIN, CALLS_END), trim=False)[0])
         out.content += buf[:i]
         self._buf = buf[i:]
         return i < len(buf)
 
-    def _flush(self, out: Parsed) -> None:
-        """The end of the output: what was held back is given out as what it was."""
+    def _flush_answer(self, out: Parsed) -> None:
         buf, st = self._buf, self._state
         self._buf = ""
-        if not buf:
-            return
-        if st is _State.START:
-            st = self._after_start
-        if st is _State.THINKING:
-            out.thinking += buf
-        elif st is _State.CALLS and buf.startswith(CALL_BEGIN):
+        if st is _State.CALLS and buf.startswith(CALL_BEGIN):
             # the end token may be cut off by a stop: a call whose JSON is whole still counts
             body = buf[len(CALL_BEGIN) :]
-            call = parse_call(body[: len(body) - partial_suffix(body, (CALL_END,))])
-            if call is not None:
-                out.calls.append(call)
-            else:
-                out.content += buf
+            call = parse_call(hold_back(body, (CALL_END,), trim=False)[0])
+            give_call(out, call, buf)
         elif st is not _State.OUTPUTS:
             out.content += buf
 

@@ -15,6 +15,8 @@ from typing import Any
 
 from daemon.chat.parsers import register
 from daemon.chat.parsers.base import Message, Tool
+from daemon.chat.parsers.text import StreamParser, give_call, hold_back
+from daemon.chat.schema import declared_function, declared_properties
 from daemon.chat.types import Parsed, ThinkValue, ToolCall, think_enabled
 
 G4_CHANNEL_OPEN = "<|channel>"
@@ -27,26 +29,6 @@ G4_CHANNEL_NAME = "thought\n"
 FG_CALL_OPEN = "<start_function_call>"
 FG_CALL_CLOSE = "<end_function_call>"
 FG_STRING = "<escape>"
-
-
-def _partial_suffix(buf: str, tags: Sequence[str]) -> int:
-    """Length of the longest end of ``buf`` that starts one of ``tags``: it waits for the next piece."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(tag) - 1, len(buf)), best, -1):
-            if buf.endswith(tag[:n]):
-                best = n
-                break
-    return best
-
-
-def _earliest(buf: str, tags: Sequence[str]) -> tuple[int, str]:
-    found = (-1, "")
-    for tag in tags:
-        i = buf.find(tag)
-        if i != -1 and (found[0] == -1 or i < found[0]):
-            found = (i, tag)
-    return found
 
 
 class _Malformed(ValueError):
@@ -172,19 +154,9 @@ class _ArgReader:
         return self.i >= len(self.s)
 
 
-def _declared(tools: Sequence[Tool] | None, name: str) -> Mapping[str, Any] | None:
-    for t in tools or ():
-        fn = t.get("function")
-        if isinstance(fn, Mapping) and fn.get("name") == name:
-            return fn
-    return None
-
-
 def _string_only(tool: Mapping[str, Any] | None, key: str) -> bool:
     """Whether the declared tool says argument ``key`` is a string and nothing else."""
-    params = (tool or {}).get("parameters") or {}
-    props = params.get("properties") if isinstance(params, Mapping) else None
-    prop = props.get(key) if isinstance(props, Mapping) else None
+    prop = declared_properties(tool).get(key)
     return isinstance(prop, Mapping) and prop.get("type") in ("string", ["string"])
 
 
@@ -204,7 +176,7 @@ def parse_call(body: str, marker: str, tools: Sequence[Tool] | None) -> ToolCall
             return None
     except _Malformed:
         return None
-    tool = _declared(tools, name)
+    tool = declared_function(tools, name)
     for key, text in reader.bare.items():
         if _string_only(tool, key):
             args[key] = text  # "007" for a string field is the text, not the number 7
@@ -219,7 +191,7 @@ class _G4(Enum):
     AFTER_CALL = auto()  # Gemma 4 may repeat <tool_call|> or open <|tool_response> after a call: not content
 
 
-class Gemma4Parser:
+class Gemma4Parser(StreamParser):
     """Gemma 4. Whitespace around the channel and calls is trimmed (as Ollama does), so trailing whitespace waits
     for the next visible character; the result is the same however the text is split. When thinking was not asked
     for, what the model writes in its channel is dropped."""
@@ -242,41 +214,20 @@ class Gemma4Parser:
         self._state = _G4.THINKING if self._show_thinking and after_tool else _G4.CONTENT
         return tools
 
-    def add(self, text: str, done: bool) -> Parsed:
-        self._buf += text
-        out = Parsed()
-        while self._step(out):
-            pass
-        if done:
-            self._flush(out)
-        return out
-
     def _think(self, out: Parsed, text: str) -> None:
         if self._show_thinking:
             out.thinking += text
 
     def _step(self, out: Parsed) -> bool:
-        if self._skip_ws:
-            self._buf = self._buf.lstrip()
-            if not self._buf:
-                return False
-            self._skip_ws = False
-        buf = self._buf
-        if not buf:
+        if not self._skip_space():
             return False
-        st = self._state
+        buf, st = self._buf, self._state
         if st is _G4.CONTENT:
-            tags = (G4_CHANNEL_OPEN, G4_CALL_OPEN)
-            i, tag = _earliest(buf, tags)
-            if i == -1:
-                sure = buf[: len(buf) - _partial_suffix(buf, tags)].rstrip()
-                out.content += sure
-                self._buf = buf[len(sure) :]
-                return False
-            out.content += buf[:i].rstrip()
-            self._buf = buf[i + len(tag) :]
-            self._state = _G4.CHANNEL_NAME if tag == G4_CHANNEL_OPEN else _G4.CALL
-            return True
+            text, tag = self._cut((G4_CHANNEL_OPEN, G4_CALL_OPEN))
+            out.content += text
+            if tag:
+                self._state = _G4.CHANNEL_NAME if tag == G4_CHANNEL_OPEN else _G4.CALL
+            return bool(tag)
         if st is _G4.CHANNEL_NAME:
             if buf.startswith(G4_CHANNEL_NAME):
                 self._buf = buf[len(G4_CHANNEL_NAME) :]
@@ -285,24 +236,17 @@ class Gemma4Parser:
             self._state = _G4.THINKING
             return True
         if st is _G4.THINKING:
-            i = buf.find(G4_CHANNEL_CLOSE)
-            if i != -1:
-                self._think(out, buf[:i].rstrip())
-                self._buf, self._state, self._skip_ws = buf[i + len(G4_CHANNEL_CLOSE) :], _G4.CONTENT, True
-                return True
-            sure = buf[: len(buf) - _partial_suffix(buf, (G4_CHANNEL_CLOSE,))].rstrip()
-            self._think(out, sure)
-            self._buf = buf[len(sure) :]
-            return False
+            text, tag = self._cut((G4_CHANNEL_CLOSE,))
+            self._think(out, text)
+            if tag:
+                self._state, self._skip_ws = _G4.CONTENT, True
+            return bool(tag)
         if st is _G4.CALL:
             i = buf.find(G4_CALL_CLOSE)
             if i == -1:
                 return False  # calls are not streamed: wait for the whole call
             call = parse_call(buf[:i], G4_STRING, self._tools)
-            if call is not None:
-                out.calls.append(call)
-            else:
-                out.content += G4_CALL_OPEN + buf[: i + len(G4_CALL_CLOSE)]  # not a call: nothing is lost
+            give_call(out, call, G4_CALL_OPEN + buf[: i + len(G4_CALL_CLOSE)])  # not a call: nothing is lost
             self._buf, self._state, self._skip_ws = buf[i + len(G4_CALL_CLOSE) :], _G4.AFTER_CALL, True
             return True
         # AFTER_CALL
@@ -324,11 +268,8 @@ class Gemma4Parser:
             self._think(out, buf)
         elif st is _G4.CALL:
             # a stop may come before <tool_call|>: a call that reads whole still counts
-            call = parse_call(buf[: len(buf) - _partial_suffix(buf, (G4_CALL_CLOSE,))], G4_STRING, self._tools)
-            if call is not None:
-                out.calls.append(call)
-            else:
-                out.content += G4_CALL_OPEN + buf
+            call = parse_call(hold_back(buf, (G4_CALL_CLOSE,), trim=False)[0], G4_STRING, self._tools)
+            give_call(out, call, G4_CALL_OPEN + buf)
         # AFTER_CALL: only the start of a noise token is left
 
 
@@ -345,7 +286,7 @@ class Gemma4PlainParser(Gemma4Parser):
 
 
 @register("functiongemma")
-class FunctionGemmaParser:
+class FunctionGemmaParser(StreamParser):
     """FunctionGemma: content and calls only, text kept exactly as written around the calls."""
 
     has_tools = True
@@ -360,43 +301,26 @@ class FunctionGemmaParser:
         self._tools, self._buf, self._in_call = tools, "", False
         return tools
 
-    def add(self, text: str, done: bool) -> Parsed:
-        self._buf += text
-        out = Parsed()
-        while self._step(out):
-            pass
-        if done:
-            buf, self._buf = self._buf, ""
-            if not self._in_call:
-                out.content += buf
-            else:
-                body = buf[: len(buf) - _partial_suffix(buf, (FG_CALL_CLOSE,))]
-                call = parse_call(body, FG_STRING, self._tools)
-                if call is not None:
-                    out.calls.append(call)
-                else:
-                    out.content += FG_CALL_OPEN + buf
-        return out
+    def _flush(self, out: Parsed) -> None:
+        buf, self._buf = self._buf, ""
+        if not self._in_call:
+            out.content += buf
+            return
+        call = parse_call(hold_back(buf, (FG_CALL_CLOSE,), trim=False)[0], FG_STRING, self._tools)
+        give_call(out, call, FG_CALL_OPEN + buf)
 
     def _step(self, out: Parsed) -> bool:
-        buf = self._buf
         if not self._in_call:
-            i = buf.find(FG_CALL_OPEN)
-            if i == -1:
-                sure = len(buf) - _partial_suffix(buf, (FG_CALL_OPEN,))
-                out.content += buf[:sure]
-                self._buf = buf[sure:]
-                return False
-            out.content += buf[:i]
-            self._buf, self._in_call = buf[i + len(FG_CALL_OPEN) :], True
-            return True
+            # unlike Gemma 4, the text around FunctionGemma's calls is kept as written: nothing is trimmed
+            text, tag = self._cut((FG_CALL_OPEN,), trim=False)
+            out.content += text
+            self._in_call = bool(tag)
+            return bool(tag)
+        buf = self._buf
         i = buf.find(FG_CALL_CLOSE)
         if i == -1:
             return False
         call = parse_call(buf[:i], FG_STRING, self._tools)
-        if call is not None:
-            out.calls.append(call)
-        else:
-            out.content += FG_CALL_OPEN + buf[: i + len(FG_CALL_CLOSE)]
+        give_call(out, call, FG_CALL_OPEN + buf[: i + len(FG_CALL_CLOSE)])
         self._buf, self._in_call = buf[i + len(FG_CALL_CLOSE) :], False
         return True

@@ -7,42 +7,24 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from enum import Enum, auto
 from typing import Any
 
 from daemon.chat.parsers import register
 from daemon.chat.parsers.base import Message, Tool
+from daemon.chat.parsers.text import ThinkingFirst, assistant_prefill, give_call, hold_back
+from daemon.chat.schema import declared_function, declared_properties
 from daemon.chat.types import Parsed, ThinkValue, ToolCall, think_enabled
 
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
-class _State(Enum):
-    START = auto()  # before the first visible text: a <think> may open thinking
-    THINKING = auto()
-    CONTENT = auto()
-    CALL = auto()  # inside <tool_call> ... </tool_call>
-
-
-def _partial_suffix(buf: str, tag: str) -> int:
-    """Length of the longest end of ``buf`` that starts ``tag``: it waits for the next piece."""
-    for n in range(min(len(tag) - 1, len(buf)), 0, -1):
-        if buf.endswith(tag[:n]):
-            return n
-    return 0
-
-
 def _schema_types(tool: Mapping[str, Any] | None, key: str) -> set[str]:
-    """The JSON types the declared tool allows for argument ``key`` (``anyOf`` included); empty when unknown."""
-    if tool is None:
-        return set()
-    params = tool.get("parameters") or {}
-    props = params.get("properties") if isinstance(params, Mapping) else None
-    prop = props.get(key) if isinstance(props, Mapping) else None
+    """The JSON types the declared tool allows for argument ``key`` (``anyOf`` included); empty when unknown.
+
+    Not qwen3-coder's ``_types``: GLM adds the property's own ``type`` to its ``anyOf`` branches' (one level)."""
+    prop = declared_properties(tool).get(key)
     if not isinstance(prop, Mapping):
         return set()
     types: set[str] = set()
@@ -54,7 +36,8 @@ def _schema_types(tool: Mapping[str, Any] | None, key: str) -> set[str]:
 
 def typed_value(raw: str, types: set[str]) -> Any:
     """A GLM argument value read as the schema says: strings (and values of unknown type) stay text; other types
-    are parsed as JSON, and a value that does not fit stays text rather than being lost."""
+    are parsed as JSON, and a value that does not fit stays text rather than being lost. (qwen3-coder's ``convert``
+    differs in what ``null`` and a bad boolean become, so the two are not merged.)"""
     # the template puts each value on its own line: one newline either side is layout
     raw = raw.removeprefix("\n").removesuffix("\n")
     if not types or types == {"string"}:
@@ -94,23 +77,15 @@ def parse_call(body: str, tools: Sequence[Tool] | None) -> ToolCall | None:
         pos = pair.end()
     if body[pos:].strip():
         return None
-    tool = _tool(tools, name)
+    tool = declared_function(tools, name)
     args = {k.strip(): typed_value(v, _schema_types(tool, k.strip())) for k, v in (p.groups() for p in pairs)}
     return ToolCall(name=name, arguments=args)
-
-
-def _tool(tools: Sequence[Tool] | None, name: str) -> Mapping[str, Any] | None:
-    for t in tools or ():
-        fn = t.get("function")
-        if isinstance(fn, Mapping) and fn.get("name") == name:
-            return fn
-    return None
 
 
 def _complete(call: ToolCall, tools: Sequence[Tool] | None) -> bool:
     """Whether a call cut off before ``</tool_call>`` may still be made: only a declared tool with every required
     argument (a truncated value must not become a real call)."""
-    tool = _tool(tools, call.name)
+    tool = declared_function(tools, call.name)
     if tool is None:
         return False
     params = tool.get("parameters") or {}
@@ -118,7 +93,7 @@ def _complete(call: ToolCall, tools: Sequence[Tool] | None) -> bool:
     return all(r in call.arguments for r in required or ())
 
 
-class GLMParser:
+class GLMParser(ThinkingFirst):
     """A streaming state machine over GLM's tags. Whitespace around thinking and calls is trimmed (as Ollama does),
     so trailing whitespace is held back until the next visible character; the result is the same however the text
     is split."""
@@ -128,101 +103,43 @@ class GLMParser:
 
     def __init__(self, prompt_opens_thinking: bool = False) -> None:
         self._prompt_opens = prompt_opens_thinking  # GLM-4.7's prompt ends with <think> when thinking is on
-        self._state = _State.START
-        self._after_start = _State.CONTENT
-        self._buf = ""
-        self._skip_ws = False
+        self._in_call = False
         self._tools: Sequence[Tool] | None = None
 
     def init(self, tools: Sequence[Tool] | None, last: Message | None, think: ThinkValue) -> Sequence[Tool] | None:
-        self._tools, self._buf, self._skip_ws = tools, "", False
-        self._state = _State.START
-        prefill = last is not None and last.get("role") == "assistant" and bool(last.get("content"))
-        # unset think means on for GLM-4.7, as in its template
-        opened = self._prompt_opens and not prefill and (think is None or think_enabled(think))
-        self._after_start = _State.THINKING if opened else _State.CONTENT
+        self._tools, self._in_call = tools, False
+        # unset think means on for GLM-4.7, as in its template; the model may write <think> itself in any case
+        opened = self._prompt_opens and not assistant_prefill(last) and (think is None or think_enabled(think))
+        self._begin(True, opened)
         return tools
 
-    def add(self, text: str, done: bool) -> Parsed:
-        self._buf += text
-        out = Parsed()
-        while self._step(out):
-            pass
-        if done:
-            self._flush(out)
-        return out
-
-    def _step(self, out: Parsed) -> bool:
-        """Consume what is certain; True when the state changed and the buffer should be looked at again."""
-        if self._skip_ws:
-            self._buf = self._buf.lstrip()
-            if not self._buf:
-                return False
-            self._skip_ws = False
+    def _step_answer(self, out: Parsed) -> bool:
+        if not self._in_call:
+            text, tag = self._cut((CALL_OPEN,))
+            out.content += text
+            if tag:
+                self._in_call, self._skip_ws = True, True
+            return bool(tag)
+        # calls are not streamed, wait for the closing tag
         buf = self._buf
-        if not buf:
-            return False
-        st = self._state
-        if st is _State.START:
-            head = buf.lstrip()
-            if head.startswith(THINK_OPEN):
-                self._buf, self._state, self._skip_ws = head[len(THINK_OPEN) :], _State.THINKING, True
-                return True
-            if not head or THINK_OPEN.startswith(head):
-                return False
-            self._state = self._after_start
-            self._skip_ws = self._state is _State.THINKING
-            return True
-        if st is _State.THINKING:
-            i = buf.find(THINK_CLOSE)
-            if i != -1:
-                out.thinking += buf[:i].rstrip()
-                self._buf, self._state, self._skip_ws = buf[i + len(THINK_CLOSE) :], _State.CONTENT, True
-                return True
-            sure = buf[: len(buf) - _partial_suffix(buf, THINK_CLOSE)].rstrip()
-            out.thinking += sure
-            self._buf = buf[len(sure) :]
-            return False
-        if st is _State.CONTENT:
-            i = buf.find(CALL_OPEN)
-            if i != -1:
-                out.content += buf[:i].rstrip()
-                self._buf, self._state, self._skip_ws = buf[i + len(CALL_OPEN) :], _State.CALL, True
-                return True
-            sure = buf[: len(buf) - _partial_suffix(buf, CALL_OPEN)].rstrip()
-            out.content += sure
-            self._buf = buf[len(sure) :]
-            return False
-        # CALL: calls are not streamed, wait for the closing tag
         i = buf.find(CALL_CLOSE)
         if i == -1:
             return False
         call = parse_call(buf[:i], self._tools)
-        if call is not None:
-            out.calls.append(call)
-        else:
-            out.content += CALL_OPEN + buf[: i + len(CALL_CLOSE)]  # not a call: nothing is lost
-        self._buf, self._state, self._skip_ws = buf[i + len(CALL_CLOSE) :], _State.CONTENT, True
+        give_call(out, call, CALL_OPEN + buf[: i + len(CALL_CLOSE)])  # not a call: nothing is lost
+        self._buf, self._in_call, self._skip_ws = buf[i + len(CALL_CLOSE) :], False, True
         return True
 
-    def _flush(self, out: Parsed) -> None:
-        """The end of the output: what was held back is given out as what it was."""
-        buf, st = self._buf, self._state
-        self._buf = ""
-        if st is _State.START:
-            st = self._after_start
-        if st is _State.THINKING:
-            out.thinking += buf
-        elif st is _State.CONTENT:
+    def _flush_answer(self, out: Parsed) -> None:
+        buf, self._buf = self._buf, ""
+        if not self._in_call:
             out.content += buf
-        else:
-            # a stop may cut the closing tag off; a complete call to a declared tool still counts
-            body = buf[: len(buf) - _partial_suffix(buf, CALL_CLOSE)]
-            call = parse_call(body, self._tools)
-            if call is not None and _complete(call, self._tools):
-                out.calls.append(call)
-            else:
-                out.content += CALL_OPEN + buf
+            return
+        # a stop may cut the closing tag off; a complete call to a declared tool still counts
+        call = parse_call(hold_back(buf, (CALL_CLOSE,), trim=False)[0], self._tools)
+        if call is not None and not _complete(call, self._tools):
+            call = None
+        give_call(out, call, CALL_OPEN + buf)
 
 
 @register("glm-4.6", "glm-4.5")

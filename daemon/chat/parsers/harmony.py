@@ -18,6 +18,7 @@ from typing import Any
 
 from daemon.chat.parsers import register
 from daemon.chat.parsers.base import Message, Tool
+from daemon.chat.parsers.text import StreamParser, earliest
 from daemon.chat.types import Parsed, ThinkValue, ToolCall
 
 START = "<|start|>"
@@ -43,24 +44,6 @@ _BODY = "body"
 _CONTENT = "content"
 _THINKING = "thinking"
 _TOOL = "tool"
-
-
-def _overlap(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
-def _first(text: str, tags: Sequence[str]) -> tuple[int, str]:
-    """The earliest of ``tags`` in ``text``: (index, tag), or (-1, "")."""
-    best, found = -1, ""
-    for tag in tags:
-        i = text.find(tag)
-        if i != -1 and (best == -1 or i < best):
-            best, found = i, tag
-    return best, found
 
 
 def parse_header(raw: str) -> tuple[str, str, str]:
@@ -125,7 +108,7 @@ class FunctionNames:
 
 
 @register("harmony")
-class HarmonyParser:
+class HarmonyParser(StreamParser):
     """Splits gpt-oss output into thinking, content and tool calls."""
 
     has_tools = True
@@ -164,15 +147,6 @@ class HarmonyParser:
             renamed.append(tool)
         return renamed
 
-    def add(self, text: str, done: bool) -> Parsed:
-        self._buf += text
-        out = Parsed()
-        while self._step(out):
-            pass
-        if done:
-            self._flush(out)
-        return out
-
     # -- the state machine ---------------------------------------------------------------------------------------
 
     def _step(self, out: Parsed) -> bool:
@@ -185,22 +159,16 @@ class HarmonyParser:
     def _step_outside(self, out: Parsed) -> bool:
         # between messages only a new message is expected; stray text is kept as content (nothing is lost), the
         # whitespace around messages is not
-        buf = self._buf
-        at, tag = _first(buf, _OUTSIDE_TAGS)
-        if at != -1:
-            out.content += buf[:at].rstrip()
-            # a model that skips "<|start|>assistant" goes straight to the channel: keep it as part of the header
-            self._buf = buf[at + len(START) :] if tag == START else buf[at:]
-            self._state = _HEADER
-            self._header_prefix = ""
-            return True
-        keep = max(_overlap(buf, tag) for tag in _OUTSIDE_TAGS)
-        head = buf[: len(buf) - keep]
-        cut = len(head.rstrip())
-        if cut:
-            out.content += buf[:cut]
-            self._buf = buf[cut:]
-        return False
+        text, tag = self._cut(_OUTSIDE_TAGS)
+        out.content += text
+        if not tag:
+            return False
+        # a model that skips "<|start|>assistant" goes straight to the channel: keep it as part of the header
+        if tag == CHANNEL:
+            self._buf = tag + self._buf
+        self._state = _HEADER
+        self._header_prefix = ""
+        return True
 
     def _step_header(self) -> bool:
         at = self._buf.find(MESSAGE)
@@ -220,20 +188,15 @@ class HarmonyParser:
         return True
 
     def _step_body(self, out: Parsed) -> bool:
-        buf = self._buf
-        at, tag = _first(buf, _BODY_TAGS)
-        if at != -1:
-            self._emit(out, buf[:at], ended=True)
-            self._buf = buf[at + len(tag) :]
+        if self._kind == _TOOL and earliest(self._buf, _BODY_TAGS)[0] == -1:
+            return False  # the arguments are returned whole, when the message ends
+        # a body is kept as written: no whitespace is trimmed inside a message
+        text, tag = self._cut(_BODY_TAGS, trim=False)
+        self._emit(out, text, ended=bool(tag))
+        if tag:
             self._state = _HEADER if tag == START else _OUTSIDE
             self._header_prefix = ""
-            return True
-        if self._kind == _TOOL:
-            return False  # the arguments are returned whole, when the message ends
-        keep = max(_overlap(buf, tag) for tag in _BODY_TAGS)
-        self._emit(out, buf[: len(buf) - keep], ended=False)
-        self._buf = buf[len(buf) - keep :]
-        return False
+        return bool(tag)
 
     def _emit(self, out: Parsed, text: str, ended: bool) -> None:
         if self._kind == _THINKING:

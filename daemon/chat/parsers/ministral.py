@@ -16,6 +16,7 @@ from typing import Any
 
 from daemon.chat.parsers import register
 from daemon.chat.parsers.base import Message, Tool
+from daemon.chat.parsers.text import CONTENT, THINKING, JsonEnd, ThinkContentCalls, assistant_prefill
 from daemon.chat.types import Parsed, ThinkValue, ToolCall
 
 TOOL_CALLS = "[TOOL_CALLS]"
@@ -24,10 +25,8 @@ THINK_END = "[/THINK]"
 ARGS = "[ARGS]"
 CALL_ID = "[CALL_ID]"
 
-# parser states
-_CONTENT = "content"
-_THINKING = "thinking"
-_CALL = "call"  # after [TOOL_CALLS]; the buffer keeps the call's text verbatim until it is decided
+_CALL = "call"  # the parser state after [TOOL_CALLS] (besides thinking and content); the buffer keeps the call's
+# text verbatim until it is decided
 
 # where in a call the parser is
 _FORM = "form"  # which form follows
@@ -36,47 +35,6 @@ _ARGS = "args"  # waiting for the arguments object
 _JSON = "json"  # inside the arguments object (or the array of the older form)
 
 _NOT_IN_NAME = frozenset('\n{}"')  # a "name" holding these is prose or JSON, not a call
-
-
-def _overlap(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
-class JsonEnd:
-    """Finds where a JSON object or array that starts at ``start`` closes, scanning each character once however
-    the text grows (calls can be long, and arrive a token at a time)."""
-
-    def __init__(self, start: int) -> None:
-        self.pos = start
-        self._depth = 0
-        self._in_string = False
-        self._escaped = False
-
-    def feed(self, text: str) -> int:
-        """The index of the closing bracket in ``text`` (the same text, grown), or -1 while it is still open."""
-        while self.pos < len(text):
-            c = text[self.pos]
-            self.pos += 1
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif c == "\\":
-                    self._escaped = True
-                elif c == '"':
-                    self._in_string = False
-            elif c == '"':
-                self._in_string = True
-            elif c in "{[":
-                self._depth += 1
-            elif c in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    return self.pos - 1
-        return -1
 
 
 def _loads(text: str) -> Any:
@@ -101,7 +59,7 @@ def _call_from(obj: Any) -> ToolCall | None:
     return ToolCall(name=name.strip(), arguments=args)
 
 
-class MinistralParser:
+class MinistralParser(ThinkContentCalls):
     """Splits Mistral-family output into thinking, content and tool calls. ``has_thinking`` starts the generation
     inside the thinking (a template that opens ``[THINK]``); ``[THINK]`` in the output starts it in any case."""
 
@@ -110,78 +68,37 @@ class MinistralParser:
     def __init__(self, has_thinking: bool = False) -> None:
         self.has_thinking = has_thinking
         self._buf = ""
-        self._state = _CONTENT
-        self._eat_space = False
+        self._state = CONTENT
+        self._skip_ws = False
         self._part = _FORM
         self._at = 0  # where the current part of a call starts in the buffer
         self._name = ""
         self._json: JsonEnd | None = None
 
     def init(self, tools: Sequence[Tool] | None, last: Message | None, think: ThinkValue) -> Sequence[Tool] | None:
-        self._buf = ""
-        self._eat_space = False
-        prefill = last is not None and last.get("role") == "assistant" and bool(last.get("content"))
-        self._state = _THINKING if self.has_thinking and not prefill else _CONTENT
+        self._buf, self._skip_ws = "", False
+        self._state = THINKING if self.has_thinking and not assistant_prefill(last) else CONTENT
         return tools
-
-    def add(self, text: str, done: bool) -> Parsed:
-        self._buf += text
-        out = Parsed()
-        while self._step(out):
-            pass
-        if done:
-            self._flush(out)
-        return out
 
     # -- the state machine ---------------------------------------------------------------------------------------
 
-    def _step(self, out: Parsed) -> bool:
-        if self._eat_space:
-            self._buf = self._buf.lstrip()
-            if not self._buf:
-                return False
-            self._eat_space = False
-        if self._state == _CONTENT:
-            return self._step_content(out)
-        if self._state == _THINKING:
-            return self._step_thinking(out)
-        return self._step_call(out)
-
     def _step_content(self, out: Parsed) -> bool:
-        buf = self._buf
-        calls, think = buf.find(TOOL_CALLS), buf.find(THINK)
-        if calls != -1 and (think == -1 or calls < think):
-            out.content += buf[:calls].rstrip()
-            self._buf = buf[calls + len(TOOL_CALLS) :]
+        # what may be a tag arriving is held back, and the whitespace before it (trimmed if it is a tag)
+        text, tag = self._cut((TOOL_CALLS, THINK))
+        out.content += text
+        if tag == TOOL_CALLS:
             self._state, self._part = _CALL, _FORM
-            return True
-        if think != -1:
-            out.content += buf[:think].rstrip()
-            self._buf = buf[think + len(THINK) :]
-            self._state = _THINKING
-            return True
-        # hold back what may be a tag arriving, and the whitespace before it (trimmed if it is a tag)
-        keep = max(_overlap(buf, TOOL_CALLS), _overlap(buf, THINK))
-        head = buf[: len(buf) - keep]
-        cut = len(head.rstrip())
-        if cut:
-            out.content += buf[:cut]
-            self._buf = buf[cut:]
-        return False
+        elif tag == THINK:
+            self._state = THINKING
+        return bool(tag)
 
     def _step_thinking(self, out: Parsed) -> bool:
-        buf = self._buf
-        end = buf.find(THINK_END)
-        if end != -1:
-            out.thinking += buf[:end]
-            self._buf = buf[end + len(THINK_END) :]
-            self._state = _CONTENT
-            self._eat_space = True
-            return True
-        keep = _overlap(buf, THINK_END)
-        out.thinking += buf[: len(buf) - keep]
-        self._buf = buf[len(buf) - keep :]
-        return False
+        # unlike the content, the thinking keeps the whitespace before [/THINK] (only what follows it is eaten)
+        text, tag = self._cut((THINK_END,), trim=False)
+        out.thinking += text
+        if tag:
+            self._state, self._skip_ws = CONTENT, True
+        return bool(tag)
 
     def _step_call(self, out: Parsed) -> bool:
         buf = self._buf
@@ -224,8 +141,7 @@ class MinistralParser:
             return self._fail(out)
         out.calls.extend(calls)
         self._buf = buf[end + 1 :]
-        self._state = _CONTENT
-        self._eat_space = True
+        self._state, self._skip_ws = CONTENT, True
         return True
 
     def _calls(self, parsed: Any) -> list[ToolCall] | None:
@@ -241,21 +157,12 @@ class MinistralParser:
     def _fail(self, out: Parsed) -> bool:
         """Not a call after all: the tag is content, and the text after it is read again as content."""
         out.content += TOOL_CALLS
-        self._state = _CONTENT
+        self._state = CONTENT
         self._json = None
         return True
 
-    def _flush(self, out: Parsed) -> None:
-        buf, self._buf = self._buf, ""
-        if self._eat_space:
-            buf = buf.lstrip()
-        if self._state == _THINKING:
-            out.thinking += buf
-        elif self._state == _CONTENT:
-            out.content += buf
-        else:  # a call cut off before its JSON closed
-            out.content += TOOL_CALLS + buf
-        self._state = _CONTENT
+    def _flush_call(self, out: Parsed, held: str) -> None:
+        out.content += TOOL_CALLS + held  # a call cut off before its JSON closed
 
 
 register("ministral", "mistral", has_thinking=False)(MinistralParser)

@@ -22,6 +22,7 @@ from typing import Any
 
 from daemon.chat.parsers import register
 from daemon.chat.parsers.qwen3 import Qwen3Parser
+from daemon.chat.schema import declared_function, declared_properties
 from daemon.chat.types import ToolCall
 
 _FUNCTION = re.compile(r"<function=([^>]+)>")
@@ -54,7 +55,7 @@ def xml_call(body: str, tools: list[Mapping[str, Any]]) -> ToolCall | None:
     end = rest.rfind(_FUNCTION_CLOSE)
     if end != -1:
         rest = rest[:end]
-    properties = _properties(tools, name)
+    properties = declared_properties(declared_function(tools, name))
     args: dict[str, Any] = {}
     pos = 0
     while (param := _PARAMETER.search(rest, pos)) is not None:
@@ -68,28 +69,10 @@ def xml_call(body: str, tools: list[Mapping[str, Any]]) -> ToolCall | None:
             stop = close
             pos = close + len(_PARAMETER_CLOSE)
         key = param.group(1).strip()
-        args[key] = convert(_trim_newline(rest[start:stop]), _types(properties.get(key)))
+        # the template puts the value on its own lines: one newline on each side is layout, nothing more
+        value = rest[start:stop].removeprefix("\n").removesuffix("\n")
+        args[key] = convert(value, _types(properties.get(key)))
     return ToolCall(name=name, arguments=args)
-
-
-def _trim_newline(raw: str) -> str:
-    """The template puts the value on its own lines: drop one newline on each side, nothing more."""
-    if raw.startswith("\n"):
-        raw = raw[1:]
-    if raw.endswith("\n"):
-        raw = raw[:-1]
-    return raw
-
-
-def _properties(tools: list[Mapping[str, Any]], name: str) -> Mapping[str, Any]:
-    """The declared parameter schemas of tool ``name`` (empty when it is not declared)."""
-    for tool in tools:
-        fn = tool.get("function") if isinstance(tool, Mapping) else None
-        if isinstance(fn, Mapping) and fn.get("name") == name:
-            params = fn.get("parameters")
-            props = params.get("properties") if isinstance(params, Mapping) else None
-            return props if isinstance(props, Mapping) else {}
-    return {}
 
 
 def _types(schema: Any) -> list[str]:
@@ -112,7 +95,10 @@ def _types(schema: Any) -> list[str]:
 def convert(raw: str, types: list[str]) -> Any:
     """Convert a parameter's text by its declared types, trying the most specific first (boolean, integer, number,
     array, object, then string). ``null`` is None whatever the type. When the only declared type does not parse, the
-    text is kept, except a lone boolean type, which reads as false (Ollama does the same)."""
+    text is kept, except a lone boolean type, which reads as false (Ollama does the same).
+
+    GLM's ``typed_value`` looks alike but is not the same rule and is kept apart: there ``null`` is text for a
+    string field, a lone boolean type keeps text that is not true/false, and numbers are read as JSON."""
     if raw.lower() == "null":
         return None
     if not types:

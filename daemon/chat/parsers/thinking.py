@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+from daemon.chat.parsers.text import Lead, leading, split_at
+
 # Whitespace is Python's (str.lstrip), which differs from Go's unicode.IsSpace only on the ASCII separators
 # U+001C..U+001F, which models do not emit.
 
@@ -20,14 +22,6 @@ class State(Enum):
     THINKING = 2
     ENDED = 3  # after the closing tag, eating whitespace
     DONE = 4
-
-
-def overlap(text: str, tag: str) -> int:
-    """The length of the longest suffix of ``text`` that is a proper prefix of ``tag`` (what may be a partial tag)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 class ThinkingParser:
@@ -74,12 +68,12 @@ class ThinkingParser:
         """One move of the state machine; True when it should run again at once."""
         acc = self._acc
         if self.state is State.LOOKING:
-            trimmed = acc.lstrip()
-            if trimmed.startswith(self.opening):
-                self._acc = trimmed[len(self.opening) :].lstrip()
+            lead, rest = leading(acc, self.opening)
+            if lead is Lead.FOUND:
+                self._acc = rest.lstrip()
                 self.state = State.THINKING if self._acc else State.STARTED
                 return True
-            if not trimmed or self.opening.startswith(trimmed):
+            if lead is Lead.WAIT:
                 return False  # whitespace, or a partial opening tag: wait
             # The answer began with something else: no thinking. The untrimmed text is kept, as it is content.
             self.state = State.DONE
@@ -94,17 +88,16 @@ class ThinkingParser:
             self.state = State.THINKING
             return True
         if self.state is State.THINKING:
-            i = acc.find(self.closing)
-            if i >= 0:
-                thinking.append(acc[:i])
-                rest = acc[i + len(self.closing) :].lstrip()
-                self._acc = ""
-                self.state = State.DONE if rest else State.ENDED
-                content.append(rest)
+            # the thinking is kept as written: only the whitespace after the closing tag is eaten
+            cut = split_at(acc, (self.closing,), trim=False)
+            thinking.append(cut.text)
+            if not cut.tag:
+                self._acc = cut.rest
                 return False
-            n = overlap(acc, self.closing)
-            thinking.append(acc[: len(acc) - n])
-            self._acc = acc[len(acc) - n :]
+            rest = cut.rest.lstrip()
+            self._acc = ""
+            self.state = State.DONE if rest else State.ENDED
+            content.append(rest)
             return False
         if self.state is State.ENDED:
             trimmed = acc.lstrip()

@@ -16,7 +16,8 @@ from typing import Any
 
 from daemon.chat.parsers import register
 from daemon.chat.parsers.base import Message, Tool
-from daemon.chat.parsers.thinking import ThinkingParser, overlap
+from daemon.chat.parsers.text import JsonEnd, overlap
+from daemon.chat.parsers.thinking import ThinkingParser
 from daemon.chat.types import Parsed, ThinkValue, ToolCall, think_enabled
 
 BARE_TAGS = ("{", "[")  # "tags" that are the JSON's own first character: calls only at the start of the output
@@ -127,7 +128,7 @@ class ToolCallParser:
         self._buf = ""
         self._pending = ""  # the tag and what was skipped after it, given back if no call follows
         self._stint = 0  # calls since the tag
-        self._scan = (0, 0, False, False)  # JSON scan of _buf: position, depth, in string, after a backslash
+        self._scan = JsonEnd()  # where the JSON at the start of _buf closes, scanned once however it grows
 
     def add(self, text: str, done: bool = False) -> tuple[list[ToolCall], str]:
         """Take the next piece of content; return the calls completed and the content now certain."""
@@ -181,7 +182,7 @@ class ToolCallParser:
     def _enter(self, rest: str, tag: str) -> None:
         self.state = _State.CALLING
         self._buf, self._pending, self._stint = rest, tag, 0
-        self._scan = (0, 0, False, False)
+        self._scan = JsonEnd()
 
     def _leave(self, out: list[str], rest: str) -> None:
         """The calls are over (or never came): give back the tag etc. if no call followed it, then content."""
@@ -212,16 +213,16 @@ class ToolCallParser:
         if rest[0] in BARE_TAGS:
             if ws:  # keep the scan aligned with the start of the JSON
                 self._pending += ws
-                self._buf, self._scan = rest, (0, 0, False, False)
-            end = self._scan_json()
-            if end is None:
+                self._buf, self._scan = rest, JsonEnd()
+            close = self._scan.feed(self._buf)
+            if close == -1:
                 if done:  # never closed
                     self._leave(out, self._buf)
                     return True
                 return False
-            raw, after = self._buf[:end], self._buf[end:]
+            raw, after = self._buf[: close + 1], self._buf[close + 1 :]
             found = to_calls(raw, self.names)
-            self._scan = (0, 0, False, False)
+            self._scan = JsonEnd()
             if found is None:
                 self._leave(out, "")
                 out.append(raw)
@@ -239,33 +240,6 @@ class ToolCallParser:
         # Other text: the calls are over. Whitespace is dropped after calls, kept when it followed a bare tag.
         self._leave(out, rest if self._stint else buf)
         return True
-
-    def _scan_json(self) -> int | None:
-        """The end of the JSON value at the start of the buffer once its brackets balance (strings respected), or
-        None while it is open. Resumes where the previous call stopped."""
-        buf = self._buf
-        pos, depth, in_str, esc = self._scan
-        while pos < len(buf):
-            c = buf[pos]
-            pos += 1
-            if in_str:
-                if esc:
-                    esc = False
-                elif c == "\\":
-                    esc = True
-                elif c == '"':
-                    in_str = False
-            elif c == '"':
-                in_str = True
-            elif c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth <= 0:
-                    self._scan = (pos, 0, False, False)
-                    return pos
-        self._scan = (pos, depth, in_str, esc)
-        return None
 
 
 @register("llama3", tool_tag="<|python_tag|>", leading_json=True)

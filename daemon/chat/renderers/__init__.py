@@ -22,7 +22,7 @@ def register(*names: str, **kwargs: object) -> Callable[[R], R]:
         for name in names:
             if name in _REGISTRY:
                 raise ValueError(f"renderer {name!r} registered twice")
-            _REGISTRY[name] = lambda cls=cls: cls(**kwargs)  # type: ignore[operator,misc]
+            _REGISTRY[name] = lambda cls=cls: cls(**kwargs)  # type: ignore[misc]
         return cls
 
     return deco

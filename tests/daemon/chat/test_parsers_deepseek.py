@@ -3,14 +3,10 @@ character at a time, all giving the same content, thinking and calls."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import pytest
 
 from daemon.chat.parsers import parser_for
-from daemon.chat.parsers.base import Message, Tool
-from daemon.chat.types import ThinkValue
+from tests.daemon.chat.feeding import parse
 
 # DeepSeek's special tokens: full-width vertical bars (U+FF5C) around words joined by U+2581
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
@@ -20,40 +16,6 @@ CALL_END = "<｜tool▁call▁end｜>"
 SEP = "<｜tool▁sep｜>"
 OUT_BEGIN = "<｜tool▁output▁begin｜>"
 OUT_END = "<｜tool▁output▁end｜>"
-
-Result = tuple[str, str, list[tuple[str, dict[str, Any]]]]
-
-
-def feed(
-    name: str, pieces: Sequence[str], think: ThinkValue, tools: Sequence[Tool] | None, last: Message | None
-) -> Result:
-    p = parser_for(name)
-    assert p is not None
-    p.init(tools, last, think)
-    content, thinking, calls = "", "", []
-    for i, piece in enumerate(pieces):
-        got = p.add(piece, i == len(pieces) - 1)
-        content += got.content
-        thinking += got.thinking
-        for c in got.calls:
-            assert c.id == "" and c.index == 0 and isinstance(c.arguments, dict)
-            calls.append((c.name, c.arguments))
-    return content, thinking, calls
-
-
-def parse(
-    name: str,
-    text: str,
-    think: ThinkValue = None,
-    tools: Sequence[Tool] | None = None,
-    last: Message | None = None,
-) -> Result:
-    """The result of ``text`` whole, after checking every two-piece split and the char-by-char feed agree."""
-    whole = feed(name, [text], think, tools, last)
-    for i in range(len(text) + 1):
-        assert feed(name, [text[:i], text[i:]], think, tools, last) == whole, f"split at {i}"
-    assert feed(name, list(text) or [""], think, tools, last) == whole, "char by char"
-    return whole
 
 
 def call(name: str, args: str) -> str:

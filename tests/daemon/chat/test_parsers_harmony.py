@@ -4,7 +4,6 @@ the same content, thinking and calls; and the renaming of tools to harmony ident
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -14,36 +13,15 @@ from daemon.chat.parsers import parser_for
 from daemon.chat.parsers.base import Message, Tool
 from daemon.chat.parsers.harmony import parse_header
 from daemon.chat.types import ThinkValue
-
-Result = tuple[str, str, list[tuple[str, dict[str, Any]]]]
-
-
-def feed(pieces: Sequence[str], think: ThinkValue, tools: Sequence[Tool] | None, last: Message | None) -> Result:
-    p = parser_for("harmony")
-    assert p is not None
-    p.init(tools, last, think)
-    content, thinking, calls = "", "", []
-    for i, piece in enumerate(pieces):
-        got = p.add(piece, i == len(pieces) - 1)
-        content += got.content
-        thinking += got.thinking
-        for c in got.calls:
-            assert c.id == "" and c.index == 0 and isinstance(c.arguments, dict)
-            calls.append((c.name, c.arguments))
-    return content, thinking, calls
+from tests.daemon.chat import feeding
+from tests.daemon.chat.feeding import Result
 
 
 def parse(
     text: str, think: ThinkValue = None, tools: Sequence[Tool] | None = None, last: Message | None = None
 ) -> Result:
-    """The result of ``text`` whole, after checking that every two-piece split, the char-by-char feed, and a feed
-    ending with an empty done piece agree with it."""
-    whole = feed([text], think, tools, last)
-    for i in range(len(text) + 1):
-        assert feed([text[:i], text[i:]], think, tools, last) == whole, f"split at {i}"
-    assert feed(list(text) or [""], think, tools, last) == whole, "char by char"
-    assert feed([*text, ""], think, tools, last) == whole, "char by char, then done"
-    return whole
+    """:func:`feeding.parse` for harmony, the text first."""
+    return feeding.parse("harmony", text, think, tools, last)
 
 
 def tool(name: str) -> Tool:
@@ -219,7 +197,4 @@ _PIECES = st.sampled_from(
 @settings(max_examples=150, deadline=None)
 @given(st.lists(_PIECES, max_size=14))
 def test_fuzz_never_raises_and_splits_agree(pieces: list[str]) -> None:
-    text = "".join(pieces)
-    whole = feed([text], None, None, None)
-    assert feed(pieces or [""], None, None, None) == whole
-    assert feed(list(text) or [""], None, None, None) == whole
+    feeding.agrees("harmony", pieces)

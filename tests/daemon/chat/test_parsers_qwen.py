@@ -3,7 +3,6 @@ offset and one character at a time, all giving the same content, thinking and ca
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -13,43 +12,7 @@ from hypothesis import strategies as st
 from daemon.chat.parsers import parser_for
 from daemon.chat.parsers.base import Message, Tool
 from daemon.chat.parsers.qwen3_coder import convert
-from daemon.chat.types import ThinkValue
-
-Result = tuple[str, str, list[tuple[str, dict[str, Any]]]]
-
-
-def feed(
-    name: str, pieces: Sequence[str], think: ThinkValue, tools: Sequence[Tool] | None, last: Message | None
-) -> Result:
-    p = parser_for(name)
-    assert p is not None
-    p.init(tools, last, think)
-    content, thinking, calls = "", "", []
-    for i, piece in enumerate(pieces):
-        got = p.add(piece, i == len(pieces) - 1)
-        content += got.content
-        thinking += got.thinking
-        for c in got.calls:
-            assert c.id == "" and c.index == 0 and isinstance(c.arguments, dict)
-            calls.append((c.name, c.arguments))
-    return content, thinking, calls
-
-
-def parse(
-    name: str,
-    text: str,
-    think: ThinkValue = None,
-    tools: Sequence[Tool] | None = None,
-    last: Message | None = None,
-) -> Result:
-    """The result of ``text`` whole, after checking that every two-piece split, the char-by-char feed, and a feed
-    ending with an empty done piece agree with it."""
-    whole = feed(name, [text], think, tools, last)
-    for i in range(len(text) + 1):
-        assert feed(name, [text[:i], text[i:]], think, tools, last) == whole, f"split at {i}"
-    assert feed(name, list(text) or [""], think, tools, last) == whole, "char by char"
-    assert feed(name, [*text, ""], think, tools, last) == whole, "char by char, then done"
-    return whole
+from tests.daemon.chat.feeding import agrees, parse
 
 
 def tool(name: str, **props: Any) -> Tool:
@@ -359,7 +322,4 @@ _PIECES = st.sampled_from(
 @settings(max_examples=100, deadline=None)
 @given(st.sampled_from(["qwen3", "qwen3-thinking", "qwen3-coder", "qwen3.5"]), st.lists(_PIECES, max_size=14))
 def test_fuzz_never_raises_and_splits_agree(name: str, pieces: list[str]) -> None:
-    text = "".join(pieces)
-    whole = feed(name, [text], None, None, None)
-    assert feed(name, pieces or [""], None, None, None) == whole
-    assert feed(name, list(text) or [""], None, None, None) == whole
+    agrees(name, pieces)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from daemon.chat.parsers.thinking import ThinkingParser
+from tests.daemon.chat.feeding import split_all
 
 
 def _run(pieces: list[str], opening: str, closing: str, prefilled: bool) -> tuple[str, str]:
@@ -15,14 +16,6 @@ def _run(pieces: list[str], opening: str, closing: str, prefilled: bool) -> tupl
         thinking, content = thinking + t, content + c
     t, c = p.flush()
     return thinking + t, content + c
-
-
-def split_all(text: str) -> list[list[str]]:
-    """The text whole, in two pieces at every offset, and one character at a time."""
-    ways = [[text], list(text)]
-    ways += [[text[:i], text[i:]] for i in range(len(text) + 1)]
-    ways += [[text[:i], text[i:j], text[j:]] for i in range(0, len(text) + 1, 3) for j in range(i, len(text) + 1, 5)]
-    return ways
 
 
 CASES = [

@@ -11,6 +11,7 @@ import pytest
 from daemon.chat.parsers import parser_for
 from daemon.chat.parsers.tools import GenericParser, ToolCallParser
 from daemon.chat.types import ThinkValue, ToolCall
+from tests.daemon.chat import feeding
 
 
 def _tool(name: str) -> dict[str, Any]:
@@ -21,10 +22,8 @@ TOOLS = [_tool("get_weather"), _tool("get_time"), _tool("say_hello"), _tool("get
 
 
 def split_all(text: str) -> list[list[str]]:
-    ways = [[text], list(text)]
-    ways += [[text[:i], text[i:]] for i in range(len(text) + 1)]
-    ways += [[text[:i], text[i:j], text[j:]] for i in range(0, len(text) + 1, 7) for j in range(i, len(text) + 1, 11)]
-    return ways
+    """:func:`feeding.split_all` with sparser three-piece cuts (these fixtures are longer)."""
+    return feeding.split_all(text, 7, 11)
 
 
 def run_tools(pieces: Sequence[str], tag: str, tools: Any = TOOLS, leading: bool = False) -> tuple[str, list[ToolCall]]:
