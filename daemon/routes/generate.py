@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import logging
@@ -15,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from daemon import prompt as prompts
 from daemon.bodies import read_model
-from daemon.chat import pipeline
+from daemon.chat import media, pipeline
 from daemon.chat.pipeline import ChatModel, EventStream
 from daemon.chat.types import Content, Event, Finished, Thinking, ThinkValue, ToolCall, ToolCalls
 from daemon.errors import error_response
@@ -249,8 +250,13 @@ async def run_generate(
 
     chat = ctx.chat if not req.template else ChatModel(template=req.template)
     parser, _, _ = pipeline.output_parser(chat, tools=None, last=None, think=think, raw=req.raw)
+    images = {
+        i: base64.b64encode(media.decode_image(img, f"images[{i}]")).decode() for i, img in enumerate(req.images or [])
+    }
     if req.raw:
         text = req.prompt
+        if images and not any(f"[img-{i}]" in text for i in images):
+            text = "".join(f"[img-{i}]" for i in images) + text  # where a raw prompt does not say, in front
     else:
         system = req.system if req.system is not None else ctx.system
         history = [] if req.context else ctx.messages
@@ -262,14 +268,21 @@ async def run_generate(
             system=system,
             suffix=req.suffix or None,
             messages_history=history,
+            images=list(images.values()) or None,
             think=think,
         )
     if inf.settings.log_prompts:
         note(prompt=text)
     if not req.raw:
         pipeline.rendered(parser, chat, text)
+    text, ordered = media.media_prompt(text, images)
     greq = GenerateRequest(
-        prompt=text, params=params, context=tuple(req.context or ()), shift=req.shift, truncate=req.truncate
+        prompt=text,
+        params=params,
+        context=tuple(req.context or ()),
+        shift=req.shift,
+        truncate=req.truncate,
+        images=ordered,
     )
     lease = await inf.acquire(ctx, inf.load_spec(ctx, opts), keep_alive)
     return None, Run(_events(lease, greq, EventStream(parser, None), started, with_context=not req.raw))
@@ -422,7 +435,7 @@ async def run_chat(
             "done_reason": "load",
         }, None
 
-    msgs = build_messages(ctx, request_messages)
+    msgs, images = media.number_images(build_messages(ctx, request_messages))
     forced = bool(req.tools) and pipeline.is_call_schema(req.format)
     parser, thinks, tools = pipeline.output_parser(
         ctx.chat, tools=req.tools, last=msgs[-1], think=think, forced_call=forced
@@ -437,9 +450,10 @@ async def run_chat(
     pipeline.rendered(parser, ctx.chat, text)
     if inf.settings.log_prompts:
         note(prompt=text)
+    text, ordered = media.media_prompt(text, images)
     defer_format = req.format is not None and req.format != "" and thinks
     params = _with_logprobs(inf.sample_params(opts, None if defer_format else req.format), req)
-    greq = GenerateRequest(prompt=text, params=params, shift=req.shift, truncate=req.truncate)
+    greq = GenerateRequest(prompt=text, params=params, shift=req.shift, truncate=req.truncate, images=ordered)
     first = _events(lease, greq, EventStream(parser, req.tools), started)
     if not defer_format:
         return None, Run(first, prompt_count)
@@ -470,8 +484,10 @@ async def run_chat(
             raise
         if ctx.chat.parser_name == "harmony" and thought:
             text2 += "<|end|><|start|>assistant<|channel|>final<|message|>"  # past the thinking, into the answer
+        text2, ordered2 = media.media_prompt(text2, images)
         greq2 = GenerateRequest(
             prompt=text2,
+            images=ordered2,
             params=_with_logprobs(inf.sample_params(opts, req.format), req),
             shift=req.shift,
             truncate=req.truncate,

@@ -103,6 +103,7 @@ class GenerateRequest:
     context: tuple[int, ...] = ()  # tokens to put before the prompt (the deprecated generate `context`)
     shift: bool = True  # context shift instead of failing when the prompt is too long
     truncate: bool = True
+    images: tuple[str, ...] = ()  # base64, one per media marker in the prompt, in order (daemon/chat/media.py)
 
 
 @dataclass(frozen=True)
