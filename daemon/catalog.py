@@ -20,7 +20,7 @@ from modelfile import Modelfile, render
 from modelfile.ast import Adapter, From, License, Message, Parameter, Parser, Renderer, Requires, System, Template
 from registry.digest import Digest
 from registry.errors import CorralError, InvalidGGUF, InvalidModelName, InvalidRequest, ModelNotFound
-from registry.gguf import GGUFInfo, model_info, read_gguf_header
+from registry.gguf import GGUFInfo, model_info, projector_info, read_gguf_header
 from registry.manifest import (
     MEDIA_ADAPTER,
     MEDIA_LICENSE,
@@ -201,6 +201,17 @@ class Catalog:
             log.warning("cannot read GGUF header model=%s error=%s", model, exc)
             return None
 
+    def projector_gguf(self, manifest: Manifest, model: str, *, verbose: bool = False) -> GGUFInfo | None:
+        """The header of the model's projector layer (None when it has none or it cannot be read)."""
+        layer = manifest.first(MEDIA_PROJECTOR)
+        if layer is None:
+            return None
+        try:
+            return self.gguf(layer.digest, verbose=verbose)
+        except (InvalidGGUF, OSError, CorralError) as exc:
+            log.warning("cannot read the projector GGUF header model=%s error=%s", model, exc)
+            return None
+
     def summary(self, manifest: Manifest, model: str) -> tuple[dict[str, Any], list[str]]:
         """A model's details and capabilities, exactly as /api/show computes them, cached per manifest digest."""
         cached = self._summaries.get(manifest.digest)
@@ -293,7 +304,10 @@ class Catalog:
             caps.append("tools")
         if ".Suffix" in (template or ""):
             caps.append("insert")
-        if "vision.block_count" in meta or manifest.first(MEDIA_PROJECTOR):
+        # only a projector layer makes a model see: llama.cpp's mtmd needs the projector GGUF, and the vision
+        # tensors some Ollama-engine GGUFs carry inside the model file (``<arch>.vision.block_count``) are not
+        # usable by corral's runner, so claiming vision for them would accept images it cannot look at
+        if manifest.first(MEDIA_PROJECTOR):
             caps.append("vision")
         if "thinking" in chat_caps:
             caps.append("thinking")
@@ -368,6 +382,9 @@ class Catalog:
         if messages:
             out["messages"] = messages
         out["model_info"] = model_info(info, verbose) if info else {}
+        projector = self.projector_gguf(manifest, raw, verbose=verbose)
+        if projector is not None:
+            out["projector_info"] = projector_info(projector, verbose)
         if verbose and info is not None:
             out["tensors"] = [{"name": t.name, "type": t.type_name, "shape": list(t.shape)} for t in info.tensors]
         out["capabilities"] = self.capabilities(manifest, info, template, cfg=cfg)

@@ -113,6 +113,8 @@ class Creator:
         config: dict[str, Any]
         if req.from_:
             base, config = self._from_model(req.from_)
+            if req.files:  # FROM a model plus FROM a projector file: the model gains (or swaps) its projector
+                base = self._with_projector(req.from_, base, req.files)
         elif req.files:
             base, config = self._from_files(req.files)
         else:
@@ -211,8 +213,11 @@ class Creator:
         except InvalidGGUF as exc:
             raise InvalidGGUF(f'"{filename}" is not a usable GGUF file: {exc}') from None
 
-    def _from_files(self, files: dict[str, str]) -> tuple[list[Layer], dict[str, Any]]:
+    def _file_layers(self, files: dict[str, str]) -> tuple[list[Layer], dict[str, list[str]], GGUFInfo | None]:
+        """One layer per uploaded GGUF, typed by its header (model, projector or adapter), sorted model first;
+        also the file names per media type and the model GGUF's header (None when there is none)."""
         layers: list[Layer] = []
+        names: dict[str, list[str]] = {}
         model_info: GGUFInfo | None = None
         for filename, digest_text in files.items():
             digest = self._blob_for(filename, digest_text)
@@ -225,18 +230,53 @@ class Creator:
                 continue
             info = self._gguf(filename, digest)
             media = media_type_for(info)
-            if media == MEDIA_MODEL:
-                if model_info is not None:
-                    raise InvalidRequest(
-                        "more than one model GGUF was given; corral needs exactly one (split GGUF files are not "
-                        "supported yet)"
-                    )
+            names.setdefault(media, []).append(filename)
+            if media == MEDIA_MODEL and model_info is None:
                 model_info = info
             layers.append(Layer(media, digest, self.store.blob_size(digest), from_=posixpath.basename(filename)))
-        if model_info is None:
-            raise InvalidRequest("none of the files is a GGUF model; FROM must name a GGUF model file")
+        models = sorted(names.get(MEDIA_MODEL, []))
+        if len(models) > 1:
+            raise InvalidRequest(
+                f"more than one model GGUF was given ({_quoted(models)}); corral needs exactly one, plus at most one "
+                'projector (a projector GGUF has general.architecture "clip"; split GGUF files are not supported '
+                "yet)"
+            )
+        projectors = sorted(names.get(MEDIA_PROJECTOR, []))
+        if len(projectors) > 1:
+            raise InvalidRequest(
+                f"more than one projector GGUF was given ({_quoted(projectors)}); a model takes at most one projector"
+            )
+        # the model layer first: Ollama's order, and what the runner and `show --modelfile` expect
         layers.sort(key=lambda layer: {MEDIA_MODEL: 0, MEDIA_PROJECTOR: 1, MEDIA_ADAPTER: 2}.get(layer.media_type, 3))
+        return layers, names, model_info
+
+    def _from_files(self, files: dict[str, str]) -> tuple[list[Layer], dict[str, Any]]:
+        layers, names, model_info = self._file_layers(files)
+        if model_info is None:
+            projectors = names.get(MEDIA_PROJECTOR, [])
+            if projectors:
+                raise InvalidRequest(
+                    f"{_quoted(projectors)} is a projector, and no model GGUF was given; a vision model needs two FROM "
+                    "lines: the model GGUF and its projector GGUF"
+                )
+            raise InvalidRequest("none of the files is a GGUF model; FROM must name a GGUF model file")
         return layers, config_from_gguf(model_info)
+
+    def _with_projector(self, source: str, base: list[Layer], files: dict[str, str]) -> list[Layer]:
+        """FROM a stored model plus GGUF files: only a projector may come as a file (Ollama ignores such files
+        silently; corral uses the projector and refuses anything else rather than dropping it)."""
+        layers, names, _ = self._file_layers(files)
+        others = sorted(n for media, group in names.items() if media != MEDIA_PROJECTOR for n in group)
+        if others:
+            raise InvalidRequest(
+                f'FROM names both the model "{source}" and the GGUF file(s) {_quoted(others)}; alongside a model '
+                "name, FROM may only add a projector GGUF"
+            )
+        if not layers:
+            return base
+        kept = [layer for layer in base if layer.media_type != MEDIA_PROJECTOR]
+        at = next((i + 1 for i, layer in enumerate(kept) if layer.media_type == MEDIA_MODEL), len(kept))
+        return kept[:at] + layers + kept[at:]
 
     def _adapters(self, adapters: dict[str, str]) -> list[Layer]:
         if len(adapters) > 1:
@@ -359,6 +399,10 @@ def _sha256_file(path: Any) -> Digest:
 
 
 def media_type_for(info: GGUFInfo) -> str:
+    """The layer a GGUF becomes, as in Ollama: an adapter by its ``general.type``; a projector when
+    ``general.type`` says so, when its architecture is ``clip`` (llama.cpp's mmproj files; never a runnable language
+    model), or when it has vision blocks but no language-model blocks (``<arch>.vision.block_count`` without
+    ``<arch>.block_count``); otherwise the model."""
     general_type = (info.general_type or "").lower()
     if general_type == "adapter":
         return MEDIA_ADAPTER
@@ -367,10 +411,18 @@ def media_type_for(info: GGUFInfo) -> str:
     if (
         general_type in ("projector", "mmproj")
         or arch == "clip"
-        or ("vision.block_count" in meta and f"{arch}.block_count" not in meta)
+        or (_positive(meta.get(f"{arch}.vision.block_count")) and not _positive(meta.get(f"{arch}.block_count")))
     ):
         return MEDIA_PROJECTOR
     return MEDIA_MODEL
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _quoted(names: list[str]) -> str:
+    return ", ".join(f'"{n}"' for n in names)
 
 
 def config_from_gguf(info: GGUFInfo) -> dict[str, Any]:

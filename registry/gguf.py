@@ -597,9 +597,19 @@ def model_info(info: GGUFInfo, verbose: bool) -> dict[str, Any]:
     """``/api/show``'s model_info: every key but general.name and tokenizer.chat_template, plus
     general.parameter_count; arrays longer than 5 become [] unless verbose (for verbose output, read the header
     with every array kept)."""
+    return _kv_view(info, verbose, drop=("general.name", "tokenizer.chat_template"))
+
+
+def projector_info(info: GGUFInfo, verbose: bool) -> dict[str, Any]:
+    """``/api/show``'s projector_info: the projector GGUF's keys shaped as model_info, except that (as in Ollama)
+    no key is left out."""
+    return _kv_view(info, verbose, drop=())
+
+
+def _kv_view(info: GGUFInfo, verbose: bool, drop: tuple[str, ...]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in info.metadata.items():
-        if key in ("general.name", "tokenizer.chat_template"):
+        if key in drop:
             continue
         if isinstance(value, list) and not verbose and info.array_length(key) > 5:
             value = []

@@ -1,4 +1,9 @@
-"""``corral create NAME [-f FILE]``: Modelfile -> local files hashed and uploaded -> ``POST /api/create``."""
+"""``corral create NAME [-f FILE]``: Modelfile -> local files hashed and uploaded -> ``POST /api/create``.
+
+Every FROM that names a local path is uploaded (a vision model has two: the model GGUF and its projector GGUF; a
+directory stands for all its ``.gguf`` files) and all of them go in one request's ``files``; the daemon tells the
+projector from the model by its GGUF header.
+"""
 
 from __future__ import annotations
 
@@ -71,6 +76,13 @@ def build_request(name: str, source: ModelfileSource, client: DaemonClient) -> d
     for value in mf.froms:
         local = resolve_from(value, source.base_dir)
         if local is None:
+            # one FROM may name a model (the others then add files, such as its projector); a second name would
+            # silently replace the first
+            if payload.get("from", value) != value:
+                raise LocalFileError(
+                    f'FROM names two models ("{payload["from"]}" and "{value}"); a Modelfile builds on one model '
+                    "(a model GGUF plus its projector GGUF, or one model name plus a projector GGUF)"
+                )
             payload["from"] = value
         else:
             try:

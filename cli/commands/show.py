@@ -89,26 +89,35 @@ def model_rows(info: dict[str, Any]) -> list[list[str]]:
     return [[k, _value(v)] for k, v in candidates if v not in ("", None)]
 
 
+def projector_rows(projector: dict[str, Any]) -> list[list[str]]:
+    """The Projector section, as Ollama's CLI prints it: architecture, parameters, and the encoder's embedding
+    length and projection size (``<arch>.vision.*``, else ``<arch>.audio.*`` for an audio projector)."""
+    arch = str(projector.get("general.architecture") or "")
+
+    def encoder(suffix: str) -> Any:
+        for modality in ("vision", "audio"):
+            value = projector.get(f"{arch}.{modality}.{suffix}")
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                return value
+        return None
+
+    count = projector.get("general.parameter_count")
+    candidates = [
+        ("architecture", arch),
+        ("parameters", output.format_count(count) if isinstance(count, int) and not isinstance(count, bool) else ""),
+        ("embedding length", encoder("embedding_length")),
+        ("dimensions", encoder("projection_dim")),
+    ]
+    return [[k, _value(v)] for k, v in candidates if v not in ("", None)]
+
+
 def summary(info: dict[str, Any], verbose: bool = False) -> list[str]:
     """The sections of ``corral show`` without flags."""
     sections: list[tuple[str, list[list[str]]]] = [("Model", model_rows(info))]
     sections.append(("Capabilities", [[str(c)] for c in info.get("capabilities") or []]))
     projector = info.get("projector_info") or {}
     if projector:
-        parch = str(projector.get("general.architecture") or "")
-        sections.append(
-            (
-                "Projector",
-                [
-                    [k, _value(v)]
-                    for k, v in (
-                        ("architecture", parch),
-                        ("embedding length", projector.get(f"{parch}.vision.embedding_length", "")),
-                    )
-                    if v
-                ],
-            )
-        )
+        sections.append(("Projector", projector_rows(projector)))
     params = str(info.get("parameters") or "")
     sections.append(("Parameters", [[f[0], " ".join(f[1:])] for f in (ln.split() for ln in params.splitlines()) if f]))
     if info.get("system"):
