@@ -85,7 +85,9 @@ class Channel:
         self.send_many([obj])
 
     def send_many(self, objs: list[dict[str, Any]]) -> None:
-        data = b"".join(encode(obj) for obj in objs)
+        """Several messages (an engine step's tokens and ends) as one ``batch`` frame: one JSON encoding and one
+        write here, one read and one JSON decoding in the daemon, whatever the number of sequences."""
+        data = encode(objs[0] if len(objs) == 1 else {"type": "batch", "msgs": objs})
         with self._lock:
             self._out.write(data)
 
