@@ -1,12 +1,16 @@
 """Streaming an answer to the terminal: word wrap, thinking, stats, and Ctrl-C that stops only the answer.
 
 Shared by ``corral run PROMPT`` (``/api/generate``) and the interactive REPL (``/api/chat``). The daemon sees
-the connection close when the user presses Ctrl-C and stops generating within a token.
+the connection close when the user presses Ctrl-C and stops generating within a token. Both attach the images whose
+paths a prompt names (:func:`extract_images`) when the model has vision.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import os
+import re
 import shutil
 import sys
 from collections.abc import Iterator
@@ -14,6 +18,57 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from cli.client import DaemonClient
+
+IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "gif", "bmp", "webp")
+MAX_IMAGE_FILE = 20 * 1024 * 1024  # the daemon's bound on an encoded image (docs/vision.md)
+_EXT = "|".join(IMAGE_EXTENSIONS)
+# An image path in a prompt, as Ollama's CLI finds them: quoted ('...' or "..."), or bare from /, ./, ../, ~/ (or a
+# drive letter) with backslash-escaped spaces and shell characters, ending in an image extension. Candidates only:
+# a path that is not an existing file stays in the prompt as text.
+_IMAGE_PATH = re.compile(
+    r"'(?P<single>[^'\n]+?\.(?:" + _EXT + r"))'"
+    r'|"(?P<double>[^"\n]+?\.(?:' + _EXT + r'))"'
+    r"|(?P<bare>(?:[A-Za-z]:)?(?:~|\.{1,2})?[/\\](?:\\.|[^\s'\"])*?\.(?:" + _EXT + r"))"
+    r"(?=$|[\s,;:!?)\]]|\.(?:\s|$))",  # a path may end a sentence: "describe ./photo.png."
+    re.IGNORECASE,
+)
+_ESCAPED = re.compile(r"\\(.)")
+
+
+def extract_images(prompt: str, *, say: Any = None) -> tuple[str, list[str]]:
+    """The prompt without the paths of the image files it names, and those images (base64, in order), as
+    ``ollama run`` attaches them: each existing file whose path ends in .png, .jpg, .jpeg, .gif, .bmp or .webp, quoted
+    or with escaped spaces. ``say`` (default: stderr) is told "Added image '<path>'" for each. A file that cannot be
+    read, or is over the daemon's 20 MiB bound, is an error (InvalidRequest); the daemon checks the contents."""
+    from registry.errors import InvalidRequest
+
+    tell = say or (lambda line: print(line, file=sys.stderr))
+    images: list[str] = []
+    out: list[str] = []
+    last = 0
+    for m in _IMAGE_PATH.finditer(prompt):
+        raw = m.group("single") or m.group("double")
+        path = raw if raw is not None else _ESCAPED.sub(r"\1", m.group("bare"))
+        path = os.path.expanduser(path)
+        if not os.path.isfile(path):
+            continue
+        try:
+            if os.path.getsize(path) > MAX_IMAGE_FILE:
+                limit = MAX_IMAGE_FILE // (1 << 20)
+                raise InvalidRequest(f"couldn't attach '{path}': over the {limit} MiB image limit")
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise InvalidRequest(f"couldn't attach '{path}': {exc.strerror or exc}") from None
+        tell(f"Added image '{path}'")
+        images.append(base64.b64encode(data).decode())
+        out.append(prompt[last : m.start()])
+        last = m.end()
+    if not images:
+        return prompt, []
+    out.append(prompt[last:])
+    return re.sub(r"[ \t]{2,}", " ", "".join(out)).strip(), images
+
 
 GREY = "\x1b[90m"
 RESET = "\x1b[0m"

@@ -3,7 +3,7 @@
 :class:`Session` is the conversation's state; :class:`Repl` reads lines (``input()`` with readline history by
 default; tests pass their own reader), runs commands, and sends messages with the whole history through
 ``/api/chat``. Ctrl-C while the model answers stops that answer; Ctrl-C at an empty prompt reminds how to
-leave; Ctrl-D or ``/bye`` leaves.
+leave; Ctrl-D or ``/bye`` leaves. With a vision model, the image files a message names are attached to it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from cli.chat import Printer, chat_stream
+from cli.chat import Printer, chat_stream, extract_images
 from cli.client import DaemonClient
 from cli.output import table
 from registry.errors import CorralError, InvalidModelName, ModelNotFound, NotFound
@@ -234,7 +234,16 @@ class Repl:
 
     def send(self, text: str) -> None:
         s = self.session
-        s.messages.append({"role": "user", "content": text})
+        message: dict[str, Any] = {"role": "user", "content": text}
+        if "vision" in (s.info.get("capabilities") or []):
+            try:
+                message["content"], images = extract_images(text, say=self.say)
+            except CorralError as exc:
+                self.say(f"Error: {exc}")
+                return
+            if images:
+                message["images"] = images
+        s.messages.append(message)
         try:
             answer = self.printer().stream(chat_stream(self.client, s.chat_body()), key="message")
         except CorralError as exc:

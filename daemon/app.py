@@ -78,7 +78,7 @@ def default_estimator(catalog: Catalog) -> Callable[[ModelRef, LoadSpec], Memory
     """The scheduler's memory estimate of a load (it runs it in a worker thread, off the event loop). The header is
     read bounded (registry.gguf's limits; at most MAX_LAYERS layers) and without the token list: per-layer arrays
     (at most MAX_LAYERS long) are all the estimate reads."""
-    from daemon.memory import estimate
+    from daemon.memory import estimate, projector_file_memory
     from registry.gguf import MAX_LAYERS, read_gguf_file
 
     def run(ref: ModelRef, spec: LoadSpec) -> MemoryUse:
@@ -90,6 +90,7 @@ def default_estimator(catalog: Catalog) -> Callable[[ModelRef, LoadSpec], Memory
             num_batch=spec.num_batch,
             n_gpu_layers=spec.num_gpu,
             kv_type=spec.kv_cache_type,
+            projector=projector_file_memory(spec.projector_path) if spec.projector_path else 0,
         )
         return MemoryUse(ram=est.ram + spec.prompt_cache, vram=est.vram)
 

@@ -76,6 +76,16 @@ class ModelContext:
     capabilities: list[str]
     details: dict[str, Any] = field(default_factory=dict)
     chat: ChatModel = field(default_factory=ChatModel)  # template, renderer and parser: how it chats
+    projector_path: Path | None = None  # the vision projector (mmproj) blob, loaded with the model
+
+    @property
+    def projector_memory(self) -> int:
+        """The projector's bytes loaded (tensors and its compute buffer), 0 without one: counted with the model."""
+        if self.projector_path is None:
+            return 0
+        from daemon.memory import projector_file_memory
+
+        return projector_file_memory(str(self.projector_path))
 
     @property
     def chat_template(self) -> str | None:
@@ -84,8 +94,12 @@ class ModelContext:
     @property
     def ref(self) -> ModelRef:
         # the key is the weights, not the name: names that resolve to the same model file and adapters (a copy, a
-        # Modelfile that only changes SYSTEM, TEMPLATE, PARAMETER or MESSAGE) share one runner, counted once
-        weights = "+".join([self.model_path.name, *(Path(a).name for a in self.adapters)])
+        # Modelfile that only changes SYSTEM, TEMPLATE, PARAMETER or MESSAGE) share one runner, counted once. The
+        # projector is part of it: the same weights with another projector (or none) see images differently
+        parts = [self.model_path.name, *(Path(a).name for a in self.adapters)]
+        if self.projector_path is not None:
+            parts.append(f"mmproj:{self.projector_path.name}")
+        weights = "+".join(parts)
         return ModelRef(
             key=weights, name=self.name.short(), digest=self.stored.manifest.digest.hex, details=self.details
         )
@@ -112,7 +126,7 @@ class Inference:
         self.ram_budget = ram_budget
         self.physical_cores = physical_cores
         self.default_num_ctx = default_num_ctx  # CORRAL_CONTEXT_LENGTH, or automatic by VRAM (see create_app)
-        self._estimates: dict[tuple[str, int, int, int, int, str], Any] = {}
+        self._estimates: dict[tuple[str, int, int, int, int, str, str], Any] = {}
 
     # -- the model ---------------------------------------------------------------------------------------------
     def model(self, raw: str) -> ModelContext:
@@ -127,7 +141,8 @@ class Inference:
 
         layers_of(info)  # the per-layer sums, once, here in the thread pool: load_spec then runs in O(1) per estimate
         template = self.catalog.template_text(manifest)
-        return ModelContext(
+        projector = manifest.first(MEDIA_PROJECTOR)
+        mctx = ModelContext(
             raw=raw,
             name=stored.name,
             stored=stored,
@@ -141,7 +156,10 @@ class Inference:
             capabilities=self.catalog.capabilities(manifest, info, template),
             details=self.catalog.details(manifest),
             chat=self.catalog.chat_model(manifest, template, info),
+            projector_path=None if projector is None else self.catalog.store.blob_path(projector.digest),
         )
+        mctx.projector_memory  # noqa: B018 - read its header here, in the thread pool, not in load_spec
+        return mctx
 
     def has_projector(self, ctx: ModelContext) -> bool:
         return ctx.stored.manifest.first(MEDIA_PROJECTOR) is not None
@@ -220,6 +238,7 @@ class Inference:
             tensor_split=placement[1],
             flash_attn=flash_attn,
             kv_cache_type=kv_type,
+            projector_path="" if embedding else _projector_of(ctx),
         )
 
     def parallel_for(self, ctx: ModelContext, num_ctx: int, num_batch: int, kv_type: str = "f16") -> int:
@@ -250,7 +269,7 @@ class Inference:
     ) -> Any:
         """``daemon.memory.estimate``, remembered per model file (blobs never change) and shape: ``load_spec`` runs
         on every request and would otherwise estimate the same model several times each time (~0.25 ms each)."""
-        key = (str(ctx.model_path), num_ctx, num_batch, num_parallel, num_gpu, kv_type)
+        key = (str(ctx.model_path), num_ctx, num_batch, num_parallel, num_gpu, _projector_of(ctx), kv_type)
         est = self._estimates.get(key)
         if est is None:
             from daemon.memory import estimate
@@ -264,6 +283,7 @@ class Inference:
                 num_batch=num_batch,
                 n_gpu_layers=num_gpu,
                 kv_type=kv_type,
+                projector=_projector_memory(ctx),
             )
         return est
 
@@ -281,6 +301,7 @@ class Inference:
             num_batch=num_batch,
             vram_budget=self.vram_budget,
             kv_type=kv_type,
+            projector=_projector_memory(ctx),
         )
 
     def gpu_split(
@@ -346,6 +367,18 @@ class Inference:
 
     async def acquire(self, ctx: ModelContext, spec: LoadSpec, keep_alive: float | None) -> Lease:
         return await self.scheduler.acquire(ctx.ref, spec, keep_alive)
+
+
+def _projector_of(ctx: ModelContext) -> str:
+    """The model's projector blob path, "" for none (contexts built without the field, as tests' fakes, have none)."""
+    path = getattr(ctx, "projector_path", None)
+    return "" if path is None else str(path)
+
+
+def _projector_memory(ctx: ModelContext) -> int:
+    from daemon.memory import projector_file_memory
+
+    return projector_file_memory(_projector_of(ctx))
 
 
 def grammar_for(fmt: Any) -> tuple[str | None, str | None]:

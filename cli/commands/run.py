@@ -3,7 +3,8 @@
 The mode follows Ollama: with prompt arguments, or with stdin that is not a terminal (its text goes before the
 prompt), the answer streams from ``/api/generate`` and the command exits; with neither, and both stdin and
 stdout terminals, the REPL in :mod:`cli.interactive` chats through ``/api/chat``. A model that is not here is
-pulled first. Embedding models print the prompt's vector as a JSON array.
+pulled first. Embedding models print the prompt's vector as a JSON array. With a vision model, the image files the
+prompt names (``corral run model "describe ./photo.png"``) are attached to it, as Ollama's CLI does.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Annotated, Any
 import typer
 
 from cli import output
-from cli.chat import Printer, generate_stream
+from cli.chat import Printer, extract_images, generate_stream
 from cli.client import DaemonClient
 from cli.commands.common import client_from_env
 from cli.errors import DaemonUnreachable
@@ -159,6 +160,10 @@ def run(
             Repl(client, session).run()
             return
         body: dict[str, Any] = {"model": model, "prompt": text}
+        if "vision" in capabilities:
+            body["prompt"], images = extract_images(text)
+            if images:
+                body["images"] = images
         if fmt is not None:
             body["format"] = fmt
         if think_v is not None:

@@ -67,6 +67,7 @@ class LoadSpec:
     tensor_split: tuple[float, ...] = ()  # share of the offloaded layers per GPU (empty: llama.cpp's own split)
     extra_bufts: bool = True  # llama.cpp's extra CPU buffer types (weight repacking, AMX); off is the safe fallback
     rerank: bool = False  # with embedding: pooling type rank (a reranker's score per query/document pair)
+    projector_path: str = ""  # the vision projector (mmproj) GGUF loaded with the model, or "" for none
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,13 @@ its slot to other users comes back without re-reading its history). Sampling is 
 applied per sequence with llama.cpp's grammar sampler. A sequence that fills its ``num_ctx`` shifts its context
 like Ollama (keep ``num_keep``, drop half of the rest) unless ``shift`` is false.
 
+Prompts with images (docs/vision.md) come as the media prompt's cache key: token ids for text, and negative
+entries, derived from each image's hash, for its positions. So the prompt cache compares images by content and never
+serves one image's KV to another; reuse is cut back to the start of an image it would end inside. Text goes through
+the batched prefill as usual; each image is evaluated whole by the runner's ``eval_media`` hook (libmtmd: encode,
+then decode its embeddings) between two steps, one image per step, so the other sequences keep decoding between
+images. Negative entries are never sampled, detokenized or returned as context.
+
 The engine runs on its own thread inside the runner child; ``submit`` and ``cancel`` are thread-safe. It is
 given the ``llama_cpp`` module and the model and context pointers, so this module imports nothing from
 llama_cpp itself.
@@ -49,6 +56,10 @@ SAVE_MIN_TOKENS = 64  # a slot's tail shorter than this is cheaper to evaluate a
 # Restoring a saved sequence, or copying another slot's (llama.cpp copies a whole KV stream, ~8 ms per 2,048 cells
 # on 2 CPU cores whatever the prefix), is done only when it spares evaluating at least this many tokens
 MIN_GAIN = 16
+# Image positions evaluated per engine iteration while other sequences decode (where the image can be split: causal
+# attention, one position per embedding): they wait one slice for their next token (~50 ms for SmolLM2 on 2 CPU
+# cores) instead of the whole image
+IMAGE_SLICE = 16
 
 
 @dataclass
@@ -112,6 +123,9 @@ class Seq:
     first_at: int = 0
     cancelled: bool = False
     stop_hit: str | None = None
+    media: Any = None  # a vision.MediaPrompt (prompts with images), closed when the sequence ends
+    media_base: int = 0  # prompt entries before the media prompt's (the request's ``context`` tokens)
+    rest: list[int] = field(default_factory=list)  # prompt entries after ``pending``, from an image on
 
 
 class Engine:
@@ -128,8 +142,13 @@ class Engine:
         chunk: int | None = None,
         cache_bytes: int = 0,
         before_first_decode: Callable[[], None] | None = None,
+        eval_media: Callable[[Any, int, int, int, int, bool, int], int] | None = None,
     ) -> None:
         self.lc, self.ctx, self.vocab = lc, ctx, vocab
+        # (media prompt, segment index, positions of it already evaluated, n_past, seq_id, the prompt ends with it, at
+        # most this many positions now) -> positions evaluated (all that are left where an image cannot be split);
+        # None: no projector
+        self._eval_media = eval_media
         self._before_first_decode = before_first_decode
         self.cache_bytes = max(0, cache_bytes)
         self.saved: list[Saved] = []  # oldest first
@@ -157,12 +176,25 @@ class Engine:
 
     # -- API (any thread) --------------------------------------------------------------------------------------
     def submit(
-        self, rid: int, prompt: list[int], params: dict[str, Any], *, shift: bool = True, truncate: bool = True
+        self,
+        rid: int,
+        prompt: list[int],
+        params: dict[str, Any],
+        *,
+        shift: bool = True,
+        truncate: bool = True,
+        media: Any = None,
     ) -> None:
-        """Queue a generation; its tokens and its final ``done`` go to ``emit``. Bad input raises EngineError."""
+        """Queue a generation; its tokens and its final ``done`` go to ``emit``. Bad input raises EngineError.
+        ``media``: the vision.MediaPrompt whose ``cache_key()`` ends ``prompt`` (a prompt with images)."""
         if not prompt:
             raise EngineError("empty prompt")
-        bad = check_token_ids(prompt, self.n_vocab)
+        if media is not None:
+            if self._eval_media is None:
+                raise EngineError("this model cannot take images: it has no vision projector")
+            if len(prompt) >= self.n_ctx_slot:  # images are not cut in half: no truncation for them
+                raise EngineError(PROMPT_TOO_LONG)
+        bad = check_token_ids(prompt if media is None else [t for t in prompt if t >= 0], self.n_vocab)
         if bad is not None:
             # refused here, before it joins a batch: an id llama.cpp does not know fails the whole llama_decode,
             # and with it every other sequence in the batch
@@ -193,6 +225,8 @@ class Engine:
             started=time.perf_counter_ns(),
         )
         seq.sampler.bias = bias
+        if media is not None:
+            seq.media, seq.media_base = media, len(prompt) - media.n_pos
         seq.grammar = self._grammar(params)
         with self._cv:
             self.by_rid[rid] = seq
@@ -267,6 +301,7 @@ class Engine:
                 with self._cv:
                     self._admit()
                 self._reap_cancelled()
+                self._eval_image()
                 self._step()
             except EngineError as exc:
                 self._fail_started(str(exc), exc.status)
@@ -346,8 +381,17 @@ class Engine:
             else:
                 self.lc.llama_memory_seq_rm(self.mem, best.seq_id, reuse, -1)
                 best.tokens = best.tokens[:reuse]
+            if seq.media is not None and reuse > seq.media_base:
+                # an image is evaluated whole: a cached prefix that ends inside one is cut back to its start
+                safe = seq.media_base + seq.media.safe_prefix(reuse - seq.media_base)
+                if safe < reuse:
+                    self.lc.llama_memory_seq_rm(self.mem, best.seq_id, safe, -1)
+                    best.tokens = best.tokens[:safe]
+                    reuse = safe
             seq.slot, best.seq = best, seq
             seq.pending = list(seq.prompt[reuse:])
+            if seq.media is not None:
+                seq.pending, seq.rest = split_at_image(seq.pending)
             seq.prompt_cached = reuse
 
     def _pick(self, free: list[Slot], prompt: list[int]) -> Slot:
@@ -368,6 +412,46 @@ class Engine:
             return common_prefix(s.tokens, prompt), near, -s.last_used
 
         return max(free, key=score)
+
+    def _eval_image(self) -> None:
+        """Evaluate the next image (or the next slice of it, as ``eval_media`` decides) of the oldest sequence that
+        has evaluated all its text before it: one per engine iteration, so the other sequences decode a token
+        between two. While others are there, an image goes ``IMAGE_SLICE`` positions at a time where the runner can
+        split it; alone, whole (one ``llama_decode`` over all its embeddings is cheaper than several). A prompt that
+        ends with the image is sampled here, from its last position. A failure fails that request alone (its
+        positions are removed)."""
+        ready = [s.seq for s in self.slots if s.seq is not None and s.seq.rest and not s.seq.pending]
+        if not ready or self._eval_media is None:
+            return
+        seq = min(ready, key=lambda q: q.started)
+        slot = seq.slot
+        assert slot is not None and seq.media is not None
+        at = len(slot.tokens)
+        index, offset = seq.media.segment_at(at - seq.media_base)
+        segments = seq.media.segments
+        left = segments[index].n_pos - offset if index < len(segments) else 0
+        try:
+            if left <= 0 or segments[index].kind != "image":
+                raise RuntimeError(f"the image at position {at} is out of step with the prompt")
+            others = bool(self.waiting) or any(s.seq is not None and s.seq is not seq for s in self.slots)
+            limit = IMAGE_SLICE if others else left
+            n = self._eval_media(seq.media, index, offset, at, slot.seq_id, left == len(seq.rest), limit)
+            if not 0 < n <= left:
+                raise RuntimeError(f"{n} image positions evaluated of {left}")
+        except Exception as exc:  # noqa: BLE001 - this request fails (its positions are removed), others go on
+            self._fail(seq, f"evaluating an image failed: {exc}", 500)
+            return
+        slot.tokens += seq.rest[:n]
+        seq.pending, seq.rest = split_at_image(seq.rest[n:])
+        if not seq.pending and not seq.rest:  # the prompt ended with it: its logits are the last decode's only row
+            now = time.perf_counter_ns()
+            row = self._logits(1)[0]
+            raw = row.copy() if seq.top_logprobs is not None else None
+            if seq.grammar is not None:
+                self._constrain(row, seq.grammar)
+            token = sample_rows(row[None, :], [seq.sampler], [slot.tokens])[0]
+            seq.first_at = seq.first_at or now
+            self._accept(seq, token, raw)
 
     # -- sequences kept in host RAM ------------------------------------------------------------------------------
     def _find_saved(self, prompt: list[int]) -> tuple[Saved | None, int]:
@@ -499,7 +583,7 @@ class Engine:
             poss += range(at, at + k)
             sids += [slot.seq_id] * k
             slot.tokens += take
-            if not seq.pending:
+            if not seq.pending and not seq.rest:  # an image still to come: no logits yet
                 rows.append(len(toks) - 1)
                 outputs.append(seq)
         n = len(toks)
@@ -657,7 +741,7 @@ class Engine:
                 "prompt_eval_duration": max(1, first - seq.started),
                 "eval_count": len(seq.generated),
                 "eval_duration": max(1, ended - first),
-                "context": list(seq.prompt) + list(seq.generated),
+                "context": [t for t in seq.prompt if t >= 0] + list(seq.generated),  # no image keys
                 "stop_sequence": seq.stop_hit,
             }
         )
@@ -682,6 +766,9 @@ class Engine:
         if seq.grammar is not None:
             self.lc.llama_sampler_free(seq.grammar)
             seq.grammar = None
+        if seq.media is not None:  # libmtmd's chunks (the preprocessed images) are freed with the request
+            seq.media.close()
+            seq.media = None
         with self._cv:
             self.by_rid.pop(seq.rid, None)
             if seq in self.waiting:
@@ -708,6 +795,15 @@ def check_token_ids(tokens: list[int], n_vocab: int) -> int | None:
         if type(t) is not int or not 0 <= t < n_vocab:
             return i
     return None
+
+
+def split_at_image(keys: list[int]) -> tuple[list[int], list[int]]:
+    """(the text entries before the first image entry, the rest from it on): what the batched prefill takes, and
+    what waits for the image's evaluation."""
+    for i, k in enumerate(keys):
+        if k < 0:
+            return keys[:i], keys[i:]
+    return keys, []
 
 
 def _bytes_ptr(data: np.ndarray) -> Any:

@@ -9,6 +9,7 @@ even by SIGKILL) ends the process at once.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import queue
@@ -102,6 +103,9 @@ class Runner:
         self.model: Any = None
         self.context: Any = None
         self.engine: Any = None
+        self.projector: Any = None  # a vision.Projector when the model came with one (spec projector_path)
+        # libmtmd's context is not thread-safe: the request thread tokenizes images, the engine thread evaluates them
+        self._vision_lock = threading.Lock()
         self.log_lines: list[str] = []
         self.spec: dict[str, Any] = {}
         self._embedded = False
@@ -198,6 +202,8 @@ class Runner:
                 self.context.ctx, (lc.llama_adapter_lora_p_ctypes * 1)(adapter), 1, (ctypes.c_float * 1)(1.0)
             )
         self._warm_up(self.context.ctx, self.model)
+        if spec.get("projector_path"):
+            self._load_projector(str(spec["projector_path"]), threads, flash)
         self.engine = Engine(
             lc,
             self.context.ctx,
@@ -208,7 +214,87 @@ class Runner:
             emit=self.chan.send_many,
             cache_bytes=int(spec.get("prompt_cache") or 0),
             before_first_decode=lambda: _inject_fault("first-decode", spec),
+            eval_media=self._eval_media if self.projector is not None else None,
         )
+
+    def _load_projector(self, path: str, threads: int, flash: int) -> None:
+        """Load the vision projector for the loaded model. On the GPU only when the whole model is offloaded (as
+        Ollama: libmtmd puts the projector whole on one device, and a partly offloaded model has no VRAM to spare);
+        flash attention as the context has it. A projector that cannot load fails the load with libmtmd's reason."""
+        from daemon.runners.vision import Projector
+
+        if not os.path.isfile(path):
+            raise RequestError(f"projector file {path} does not exist", 500)
+        lc = self.lc
+        n_layer = int(lc.llama_model_n_layer(self.model.model))
+        num_gpu = int(self.spec.get("num_gpu", 0))
+        use_gpu = bool(lc.llama_supports_gpu_offload()) and (num_gpu < 0 or num_gpu >= n_layer)
+        try:
+            self.projector = Projector(
+                path,
+                self.model.model,
+                use_gpu=use_gpu,
+                n_threads=threads,
+                flash_attn=None if flash < 0 else bool(flash),
+                log_callback=self._log_cb,
+            )
+        except ValueError as exc:
+            # one path-free line in llama.cpp's "error loading model:" form, which the daemon may show the client
+            # (process.safe_load_reason); the full reason, path included, goes to the daemon log
+            import re
+
+            found = None
+            for line in reversed(self.log_lines[-40:]):
+                found = re.search(r"mismatch between text model \(n_embd = \d+\) and mmproj \(n_embd = \d+\)", line)
+                if found:
+                    break
+            reason = "vision projector: " + (found.group(0) if found else "not a projector this llama.cpp supports")
+            self._on_log(4, f"error loading model: {reason}\n".encode(), None)
+            raise RequestError(f"{exc} ({reason})", 500) from None
+        self.projector_gpu = use_gpu
+
+    def _eval_media(
+        self, media: Any, index: int, offset: int, n_past: int, seq_id: int, final: bool, limit: int
+    ) -> int:
+        """The engine's hook for an image segment (engine thread): evaluate it into ``seq_id`` at ``n_past`` from
+        its position ``offset``, at most ``limit`` positions; the positions evaluated. An image whose embeddings may
+        be decoded apart (causal, one position each: ``Projector.can_split``) is encoded once and decoded a slice
+        per call, so the engine runs the other sequences' steps between slices; others go whole through libmtmd's
+        helper. ``final``: the prompt ends with it (logits for its last position)."""
+        projector, ctx = self.projector, self.context.ctx
+        with self._vision_lock:
+            if offset == 0 and not projector.can_split(media, index):
+                n_batch = int(self.lc.llama_n_batch(ctx))
+                end = projector.eval_segment(
+                    media, index, ctx, n_past=n_past, seq_id=seq_id, n_batch=n_batch, logits_last=final
+                )
+                return int(end) - n_past
+            held = getattr(media, "encoded", None)  # (segment index, its embeddings) while it is being decoded
+            if held is None or held[0] != index:
+                held = media.encoded = (index, projector.encode(media, index))
+            embd = held[1]
+            k = max(1, min(limit, len(embd) - offset))
+            done = offset + k == len(embd)
+            projector.decode_embeddings(
+                ctx, embd[offset : offset + k], n_past=n_past, seq_id=seq_id, logits_last=final and done
+            )
+            if done:
+                media.encoded = None
+            return k
+
+    def close(self) -> None:
+        """Free in dependency order: the engine, the projector (it points at the model), the context, the model."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if self.projector is not None:
+            with self._vision_lock:
+                self.projector.close()
+            self.projector = None
+        for obj in (self.context, self.model):
+            if obj is not None and hasattr(obj, "close"):
+                obj.close()
+        self.context = self.model = None
 
     def _model_params(self, mparams: Any, spec: dict[str, Any]) -> None:
         lc = self.lc
@@ -267,6 +353,8 @@ class Runner:
             "flash_attn": str(self.spec.get("flash_attn") or "auto"),
             "kv_cache_type": str(self.spec.get("kv_cache_type") or "f16"),
             "num_parallel": max(1, int(self.spec.get("num_parallel") or 1)),
+            "projector": self.projector is not None,
+            "projector_gpu": bool(getattr(self, "projector_gpu", False)),
             "gpu_offload_supported": bool(self.lc.llama_supports_gpu_offload()),
             "log_lines": self.log_lines,
             "pid": os.getpid(),
@@ -298,7 +386,12 @@ class Runner:
                     f"invalid context: token id {context[bad]!r} (context[{bad}]) is out of range: "
                     f"this model's vocabulary has ids 0 to {n_vocab - 1}"
                 )
-        tokens = context + self.tokenize(req["prompt"], bool(req.get("add_special", True)))
+        media = None
+        if req.get("images"):
+            media = self._media_prompt(req)
+            tokens = context + media.cache_key()  # image positions as negative keys (vision.MediaPrompt.cache_key)
+        else:
+            tokens = context + self.tokenize(req["prompt"], bool(req.get("add_special", True)))
         if not tokens:
             tokens = [self.model.token_bos()]
         try:
@@ -308,9 +401,36 @@ class Runner:
                 req.get("params") or {},
                 shift=bool(req.get("shift", True)),
                 truncate=bool(req.get("truncate", True)),
+                media=media,
             )
         except EngineError as exc:
+            if media is not None:
+                media.close()
             raise RequestError(str(exc), exc.status) from None
+
+    def _media_prompt(self, req: dict[str, Any]) -> Any:
+        """The request's prompt and images (base64, one per media marker) tokenized by the projector; any problem
+        with them is the request's 400, and the runner goes on serving."""
+        import base64
+        import binascii
+
+        images = req["images"]
+        if self.projector is None:
+            raise RequestError(
+                "this model cannot take images: it was loaded without a vision projector (create it with its "
+                "projector GGUF, or remove the images)"
+            )
+        if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
+            raise RequestError("images must be a list of base64 strings")
+        try:
+            data = [base64.b64decode(img, validate=True) for img in images]
+        except (binascii.Error, ValueError):
+            raise RequestError("an image is not valid base64") from None
+        with self._vision_lock:
+            try:
+                return self.projector.tokenize(req["prompt"], data, add_special=bool(req.get("add_special", True)))
+            except ValueError as exc:
+                raise RequestError(str(exc)) from None
 
     # -- embeddings ------------------------------------------------------------------------------------------------
     def embed(self, inputs: list[str], truncate: bool) -> dict[str, Any]:
@@ -546,6 +666,8 @@ def main() -> None:
                 break
             runner.handle(msg)
     finally:
+        with contextlib.suppress(Exception):
+            runner.close()
         os._exit(0)
 
 

@@ -61,6 +61,8 @@ _SAFE_LOAD_REASONS = tuple(
         rf"key {_WORD} has wrong array length; expected \d{{1,20}}, got \d{{1,20}}",
         rf"unknown pre-tokenizer type: '{_WORD}'",
         rf"unknown tokenizer: '{_WORD}'",
+        r"vision projector: mismatch between text model \(n_embd = \d{1,9}\) and mmproj \(n_embd = \d{1,9}\)",
+        r"vision projector: not a projector this llama.cpp supports",
     )
 )
 _LOAD_ERROR = re.compile(r"error loading model: (.+)$")

@@ -151,6 +151,7 @@ class MediaPrompt:
     _chunks: Any
     _mtmd: Any
     segments: list[Segment] = field(default_factory=list)
+    encoded: Any = None  # (segment index, embeddings) of an image being decoded in slices (the runner's)
 
     @property
     def n_tokens(self) -> int:
@@ -264,6 +265,7 @@ class Projector:
                 "(its output width must match the model's embedding width)"
             )
         self._ctx = ctx
+        self._model = model
         if not mtmd.mtmd_support_vision(ctx):
             self.close()
             raise ValueError(f"projector {path} has no vision encoder")
@@ -392,6 +394,8 @@ class Projector:
         """Decode segment ``index`` of ``prompt`` alone (for an image: run the projector, then decode its embeddings
         in batches of ``n_batch``) into sequence ``seq_id`` at ``n_past``; the new n_past. This is how the engine
         interleaves: it prefills text segments in its own batches and calls this for each image between steps.
+        ``logits_last`` on an image (a prompt that ends with it): libmtmd's helper never asks for logits on image
+        embeddings, so the image's last position is decoded again alone, with logits (:meth:`_last_logits`).
         RuntimeError on failure (the caller removes the sequence's positions from ``n_past`` on)."""
         mtmd, lc = self._mtmd, self._lc
         ctx = self._live()
@@ -406,7 +410,85 @@ class Projector:
         )
         if rc != 0:
             raise RuntimeError(f"evaluating segment {index} of the prompt failed ({rc})")
+        if logits_last and mtmd.mtmd_input_chunk_get_type(chunk) != mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+            self._last_logits(chunk, lctx, int(new_n_past.value) - 1, seq_id)
         return int(new_n_past.value)
+
+    def _last_logits(self, chunk: Any, lctx: Any, pos: int, seq_id: int) -> None:
+        """Logits at an image's last position: its KV entry is removed and its embedding (still in libmtmd's output
+        buffer from the encode just done) decoded again alone, with logits. The same computation: the last position
+        attends to every earlier one and itself, causal or not. Not for M-RoPE models (positions in several
+        dimensions), where a prompt has to go on after its last image."""
+        mtmd, lc = self._mtmd, self._lc
+        if self.uses_mrope:
+            raise RuntimeError("with this model a prompt cannot end with an image: put text after it")
+        embd = self._output(int(mtmd.mtmd_input_chunk_get_n_tokens(chunk)))
+        lc.llama_memory_seq_rm(lc.llama_get_memory(lctx), seq_id, pos, -1)
+        self.decode_embeddings(lctx, embd[-1:], n_past=pos, seq_id=seq_id, logits_last=True)
+
+    # -- an image in slices (the engine interleaves them with other sequences' steps) -------------------------------
+
+    def can_split(self, prompt: MediaPrompt, index: int) -> bool:
+        """Whether image segment ``index`` may be decoded in slices, in separate ``llama_decode`` calls: only with
+        causal attention over the image and one position per embedding (not Gemma 3's non-causal images, not
+        M-RoPE's 2-D positions, which libmtmd's helper must lay out)."""
+        mtmd = self._mtmd
+        if prompt._chunks is None or self.uses_mrope:
+            return False
+        chunk = mtmd.mtmd_input_chunks_get(prompt._chunks, index)
+        if mtmd.mtmd_input_chunk_get_type(chunk) != mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+            return False
+        if mtmd.mtmd_decode_use_non_causal(self._live(), chunk):
+            return False
+        return int(mtmd.mtmd_input_chunk_get_n_pos(chunk)) == int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
+
+    def encode(self, prompt: MediaPrompt, index: int) -> Any:
+        """Run the projector on image segment ``index``: its embeddings, a (n_tokens, n_embd) float32 numpy copy
+        (libmtmd's output buffer is overwritten by the next encode). RuntimeError on failure."""
+        mtmd = self._mtmd
+        if prompt._chunks is None:
+            raise RuntimeError("media prompt is closed")
+        chunk = mtmd.mtmd_input_chunks_get(prompt._chunks, index)
+        rc = mtmd.mtmd_encode_chunk(self._live(), chunk)
+        if rc != 0:
+            raise RuntimeError(f"encoding image segment {index} failed ({rc})")
+        return self._output(int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))).copy()
+
+    def _output(self, n_tokens: int) -> Any:
+        """A numpy view of libmtmd's last encode output: (n_tokens, n_embd) float32."""
+        import numpy as np
+
+        embd = self._mtmd.mtmd_get_output_embd(self._live())
+        if not embd:
+            raise RuntimeError("the projector has no output embeddings")
+        n_embd = int(self._lc.llama_model_n_embd(self._model))
+        addr = ctypes.cast(embd, ctypes.c_void_p).value
+        assert addr is not None
+        view: Any = (ctypes.c_float * (n_tokens * n_embd)).from_address(addr)  # a ctypes array (buffer protocol)
+        return np.frombuffer(view, dtype=np.float32).reshape(n_tokens, n_embd)
+
+    def decode_embeddings(self, lctx: Any, embd: Any, *, n_past: int, seq_id: int, logits_last: bool) -> None:
+        """Decode rows of :meth:`encode`'s output into sequence ``seq_id`` at positions ``n_past`` on, in one
+        ``llama_decode`` (logits for the last row when ``logits_last``). RuntimeError on failure."""
+        import numpy as np
+
+        lc = self._lc
+        rows = np.ascontiguousarray(embd, dtype=np.float32)
+        n, n_embd = rows.shape
+        batch = lc.llama_batch_init(n, n_embd, 1)
+        try:
+            ctypes.memmove(batch.embd, rows.ctypes.data, rows.nbytes)
+            batch.n_tokens = n
+            for i in range(n):
+                batch.pos[i] = n_past + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seq_id
+                batch.logits[i] = logits_last and i == n - 1
+            rc = lc.llama_decode(lctx, batch)
+        finally:
+            lc.llama_batch_free(batch)
+        if rc != 0:
+            raise RuntimeError(f"decoding image embeddings failed ({rc})")
 
     def eval(
         self,

@@ -209,6 +209,30 @@ res["garbage"] = error(lambda: proj.tokenize("x " + proj.marker, [b"\x89PNG\r\n\
 res["too_many"] = error(lambda: proj.tokenize("x " + proj.marker, [A, B]))
 res["too_few"] = error(lambda: proj.tokenize("x " + proj.marker + proj.marker, [A]))
 res["after_errors"] = describe(B)
+
+def by_segments(image, prompt, sliced, seq=0):
+    # what the runner does: text segments alone, images whole through libmtmd's helper or (sliced) encoded once and
+    # decoded 16 embeddings per llama_decode; logits for the prompt's last position, an image's included
+    llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
+    with proj.tokenize(prompt, [image]) as mp:
+        n_past = 0
+        for i, s in enumerate(mp.segments):
+            last = i == len(mp.segments) - 1
+            if s.kind == "image" and sliced:
+                assert proj.can_split(mp, i)
+                embd = proj.encode(mp, i)
+                for o in range(0, len(embd), 16):
+                    part = embd[o : o + 16]
+                    end = last and o + 16 >= len(embd)
+                    proj.decode_embeddings(lctx, part, n_past=n_past, seq_id=seq, logits_last=end)
+                    n_past += len(part)
+            else:
+                n_past = proj.eval_segment(mp, i, lctx, n_past=n_past, seq_id=seq, n_batch=256, logits_last=last)
+    return greedy(n_past, seq)
+
+ENDS = "<|im_start|>user\nDescribe " + proj.marker
+res["sliced"] = {"a": by_segments(A, PROMPT, True), "b": by_segments(B, PROMPT, True)}
+res["ends"] = {k: [by_segments(img, ENDS, sliced) for sliced in (False, True)] for k, img in (("a", A), ("b", B))}
 proj.close()
 llama_cpp.llama_batch_free(batch)
 sys.stdout.write("\nRESULT " + json.dumps(res) + "\n")
@@ -285,3 +309,17 @@ def test_bad_images_are_value_errors_and_leave_the_context_working(vision_run: d
 def test_png_bytes_round_trip_header() -> None:
     png = png_bytes(3, 2, bytes(range(18)))
     assert check_image(png).width == 3 and check_image(png).height == 2
+
+
+@pytest.mark.real_model
+@needs_smol
+def test_sliced_images_and_prompts_that_end_with_one(vision_run: dict[str, Any]) -> None:
+    # an image encoded once and decoded in slices (as the runner interleaves it with other sequences) gives what
+    # libmtmd's helper gives whole
+    assert vision_run["sliced"]["a"] == vision_run["a"]["tokens"]
+    assert vision_run["sliced"]["b"] == vision_run["b"]["tokens"]
+    # a prompt that ends with its image: logits from the image's last position, whole or sliced, the same
+    for key in ("a", "b"):
+        whole, sliced = vision_run["ends"][key]
+        assert whole == sliced
+    assert vision_run["ends"]["a"][0] != vision_run["ends"]["b"][0]
