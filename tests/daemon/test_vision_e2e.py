@@ -60,7 +60,8 @@ def vis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
             parameters={"temperature": 0, "num_predict": 12, "seed": 1},
             stream=False,
         )
-        c.create(model="smol", files={"model.gguf": model}, stream=False)
+        # bounded: an unbounded greedy answer to a file path can run for minutes on a loaded 2-core machine
+        c.create(model="smol", files={"model.gguf": model}, parameters={"num_predict": 24}, stream=False)
         yield d
     finally:
         stop_daemon(d)
