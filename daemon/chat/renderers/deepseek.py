@@ -5,6 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from daemon.chat.parsers.deepseek import (  # the family's tokens, one definition for both directions
+    CALL_BEGIN,
+    CALL_END,
+    CALLS_BEGIN,
+    CALLS_END,
+    OUTPUT_BEGIN,
+    OUTPUT_END,
+    SEP,
+)
 from daemon.chat.renderers import register
 from daemon.chat.renderers.base import Message, Tool
 from daemon.chat.renderers.qwen3_coder import calls_of, check_roles, compact_json, function_of, text
@@ -14,13 +23,6 @@ BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
-CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
-CALLS_END = "<｜tool▁calls▁end｜>"
-CALL_BEGIN = "<｜tool▁call▁begin｜>"
-CALL_END = "<｜tool▁call▁end｜>"
-SEP = "<｜tool▁sep｜>"
-OUTPUT_BEGIN = "<｜tool▁output▁begin｜>"
-OUTPUT_END = "<｜tool▁output▁end｜>"
 
 _TOOL_RULES = (
     "\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
