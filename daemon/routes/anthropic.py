@@ -32,17 +32,12 @@ from daemon.compat import (
     sse_event,
     sse_response,
 )
-from daemon.inference import Inference
 from daemon.observe import note
-from daemon.routes.generate import build_messages, message_dict, render_chat, run_chat
+from daemon.routes.generate import build_messages, inference, message_dict, render_chat, run_chat
 from daemon.routes.openai import call_schema
 from daemon.schemas import ChatRequestBody
 
 router = APIRouter()
-
-
-def inference(request: Request) -> Inference:
-    return request.app.state.inference
 
 
 # -- request translation --------------------------------------------------------------------------------------
@@ -247,11 +242,8 @@ async def messages(request: Request) -> Response:
     note(model=body.get("model") if isinstance(body.get("model"), str) else "")
     stream = bool(get(body, "stream", "bool"))
     req = _chat_request(body, stream=stream, think=_think(body))
-    if req.think not in (None, False):
-        ctx = await run_in_threadpool(inference(request).model, req.model_name)
-        if "thinking" not in ctx.capabilities:  # as Ollama: Claude Code asks every model to think
-            req = req.model_copy(update={"think": None})
-    _, run = await run_chat(inference(request), req, started, count_prompt=stream)
+    # as Ollama: Claude Code asks every model to think; a model that cannot is not refused
+    _, run = await run_chat(inference(request), req, started, count_prompt=stream, relax_think=True)
     assert run is not None  # messages are never empty here
     first, rest = await first_then(run)
     mid = f"msg_{secrets.token_hex(12)}"

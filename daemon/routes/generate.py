@@ -111,8 +111,12 @@ def _check_images(ctx: ModelContext, images: list[str] | None) -> None:
         )
 
 
-def _think(ctx: ModelContext, think: Any) -> ThinkValue:
-    """The request's ``think`` checked; unset on a model that can think means on, as in Ollama."""
+def _think(ctx: ModelContext, think: Any, *, relax: bool = False) -> ThinkValue:
+    """The request's ``think`` checked; unset on a model that can think means on, as in Ollama. ``relax``: asking a
+    model that cannot think to think is ignored rather than refused (the OpenAI and Anthropic layers, as Ollama does
+    for Claude Code, which asks every model to think)."""
+    if relax and "thinking" not in ctx.capabilities and pipeline.normalise_think(think) not in (None, False):
+        think = None
     pipeline.check_think(ctx.capabilities, ctx.raw, think)
     value = pipeline.normalise_think(think)
     if value is None and "thinking" in ctx.capabilities:
@@ -390,10 +394,12 @@ async def run_chat(
     started: float,
     *,
     count_prompt: bool = False,
+    relax_think: bool = False,
 ) -> tuple[dict[str, Any] | None, Run | None]:
     """Check ``req`` and start it: ``(final, None)`` for a load or unload (Ollama's object), else ``(None, run)``.
     Errors before the first event raise. ``count_prompt``: tokenize the prompt first and say its length on the run
-    (for a stream that must say it before the end, as Anthropic's message_start does).
+    (for a stream that must say it before the end, as Anthropic's message_start does). ``relax_think``: see
+    :func:`_think`.
 
     With ``format`` on a model that thinks, the answer is constrained only after the thinking (as newest Ollama
     does): the model thinks freely; at the first answer text the generation stops and starts again from the prompt
@@ -419,7 +425,7 @@ async def run_chat(
         raise InvalidRequest(f'"{req.model_name}" does not support chat')
     if req.tools and "tools" not in ctx.capabilities:
         raise InvalidRequest(f"{ctx.name} does not support tools")
-    think = _think(ctx, req.think)
+    think = _think(ctx, req.think, relax=relax_think)
     request_messages = [message_dict(m) for m in req.messages]
     _check_images(ctx, [img for m in request_messages for img in m.get("images", [])])
     opts = inf.options(ctx, req.options)

@@ -25,7 +25,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
 
 from daemon.bodies import parse_model
 from daemon.chat.types import Content, Event, Finished, Thinking, ToolCall, ToolCalls
@@ -41,20 +40,15 @@ from daemon.compat import (
     sse_response,
     stops,
 )
-from daemon.inference import Inference
 from daemon.observe import note
 from daemon.routes.embed import run_embed
-from daemon.routes.generate import run_chat, run_generate
+from daemon.routes.generate import inference, run_chat, run_generate
 from daemon.runners.sampling import parse_logit_bias
 from daemon.schemas import ChatRequestBody, EmbedRequestBody, GenerateRequestBody
 from registry.errors import CorralError, InvalidRequest
 
 router = APIRouter()
 FINGERPRINT = "fp_corral"
-
-
-def inference(request: Request) -> Inference:
-    return request.app.state.inference
 
 
 def _id(prefix: str) -> str:
@@ -544,14 +538,12 @@ async def chat_completions(request: Request) -> Response:
         )
 
     req = chat_request(0)
-    if think is not None and think is not False:
-        ctx = await run_in_threadpool(inference(request).model, model)
-        if "thinking" not in ctx.capabilities:
-            req = req.model_copy(update={"think": None})  # as Ollama: an effort asked of a model that cannot think
 
     async def run(i: int) -> Chunks:
-        one = req if i == 0 else chat_request(i).model_copy(update={"think": req.think})
-        final, chunks = await run_chat(inference(request), one, started)
+        # as Ollama: an effort asked of a model that cannot think is ignored
+        final, chunks = await run_chat(
+            inference(request), req if i == 0 else chat_request(i), started, relax_think=True
+        )
         if chunks is None:
             raise InvalidRequest("'messages' must contain at least one message")
         return chunks

@@ -35,7 +35,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
 
 from daemon.bodies import parse_model
 from daemon.chat.types import Content, Event, Finished, Thinking, ToolCall, ToolCalls
@@ -52,7 +51,7 @@ from daemon.compat import (
 )
 from daemon.observe import note
 from daemon.routes.generate import inference, run_chat
-from daemon.routes.openai import EFFORTS, call_schema
+from daemon.routes.openai import call_schema, think_of
 from daemon.schemas import ChatRequestBody
 
 router = APIRouter()
@@ -281,21 +280,6 @@ def _format(body: dict[str, Any]) -> Any:
             raise BadParam("text.format.schema", "'text.format.schema' must be a JSON schema object")
         return fmt["schema"]
     raise BadParam("text.format.type", f"unsupported text.format type {kind!r}: use text, json_object or json_schema")
-
-
-async def _think(request: Request, body: dict[str, Any], model: str) -> bool | str | None:
-    """``think`` from ``reasoning.effort``; None (left to the model) when absent or when the model cannot think."""
-    reasoning = get(body, "reasoning", "dict") or {}
-    effort = reasoning.get("effort")
-    if effort is None:
-        return None
-    if effort not in EFFORTS:
-        raise BadParam(
-            "reasoning.effort",
-            f"invalid reasoning effort {effort!r}: use none, minimal, low, medium, high, xhigh or max",
-        )
-    ctx = await run_in_threadpool(inference(request).model, model)
-    return EFFORTS[effort] if "thinking" in ctx.capabilities else None
 
 
 def _logprob_request(body: dict[str, Any]) -> tuple[bool, int]:
@@ -564,14 +548,14 @@ async def responses(request: Request) -> Response:
             "options": _options(body),
             "tools": tools,
             "format": forced if forced is not None else _format(body),
-            "think": await _think(request, body, model),
+            "think": think_of(body),  # reasoning.effort, mapped as in /v1/chat/completions
             "stream": stream,
             "logprobs": want_logprobs,
             "top_logprobs": top,
             "keep_alive": body.get("keep_alive"),
         },
     )
-    _, run = await run_chat(inference(request), req, started)
+    _, run = await run_chat(inference(request), req, started, relax_think=True)
     assert run is not None  # messages are never empty here
     first, rest = await first_then(run)  # an error before any output is still a plain error answer
     reply = _Reply(body, model, want_logprobs, get(body, "parallel_tool_calls", "bool") is False)

@@ -309,3 +309,27 @@ def test_anthropic_streams_tool_use(v1_daemon: Daemon) -> None:
         final = stream.get_final_message()
     assert "input_json_delta" in kinds and final.stop_reason == "tool_use"
     assert [b.input for b in final.content if b.type == "tool_use"] == [{"city": "Paris"}]
+
+
+def test_reasoning_asked_of_a_model_that_cannot_think_is_ignored(v1_daemon: Daemon) -> None:
+    # as Ollama: the OpenAI and Anthropic layers do not refuse (Claude Code asks every model to think)
+    oai = openai.OpenAI(base_url=v1_daemon.url + "/v1", api_key="unused", max_retries=0)
+    r = oai.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, reasoning_effort="high"
+    )
+    assert r.choices[0].message.content and not (r.choices[0].message.model_extra or {}).get("reasoning")
+    ant = anthropic.Anthropic(base_url=v1_daemon.url, api_key="unused", max_retries=0)
+    m = ant.messages.create(
+        model="smol",
+        max_tokens=4,
+        messages=[{"role": "user", "content": "Hi"}],
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    )
+    assert [b.type for b in m.content] == ["text"]
+    with pytest.raises(openai.BadRequestError) as bad:
+        oai.chat.completions.create(
+            model="smol",
+            messages=[{"role": "user", "content": "Hi"}],
+            reasoning_effort="extreme",  # type: ignore[arg-type]
+        )
+    assert "invalid reasoning value" in bad.value.message
