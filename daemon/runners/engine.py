@@ -22,14 +22,19 @@ the batched prefill as usual; each image is evaluated whole by the runner's ``ev
 then decode its embeddings) between two steps, one image per step, so the other sequences keep decoding between
 images. Negative entries are never sampled, detokenized or returned as context.
 
-The engine runs on its own thread inside the runner child; ``submit`` and ``cancel`` are thread-safe. It is
-given the ``llama_cpp`` module and the model and context pointers, so this module imports nothing from
-llama_cpp itself.
+The engine runs on its own thread inside the runner child; ``submit``, ``cancel`` and ``call`` are thread-safe.
+Every llama.cpp computation of the runner happens on that thread (``call`` runs the warm-up and the projector's
+load there): ggml's CPU backend runs a graph as an OpenMP parallel region, and libgomp keeps a team of worker
+threads for each thread that starts one; a second team puts more spinning threads than cores on a small machine,
+libgomp then cuts its barrier spins short to sleep, and every decode after that pays (a warm-up decode on the main
+thread made each later token of SmolLM2 on 2 cores cost 10-12 ms instead of 7). The engine is given the
+``llama_cpp`` module and the model and context pointers, so this module imports nothing from llama_cpp itself.
 """
 
 from __future__ import annotations
 
 import codecs
+import concurrent.futures
 import ctypes
 import threading
 import time
@@ -170,6 +175,7 @@ class Engine:
         self._eog: dict[int, bool] = {}  # token id -> whether it ends a generation (llama_vocab_is_eog)
         self._row_types: dict[int, Any] = {}  # ctypes array types over the logits, by row count
         self._alone_last = False  # the last step evaluated only newcomers' prompts (``_step``)
+        self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []  # ``call``, not yet run
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
@@ -240,6 +246,23 @@ class Engine:
                 seq.cancelled = True
                 self._cv.notify()
 
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` run on the engine thread between two steps; its result, or its exception raised here. For the
+        runner's other llama.cpp computations (the warm-up, a projector's load and warm-up): see the module's
+        docstring for why they must share the engine's thread."""
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._cv:
+            if self._closed:
+                raise EngineError("the engine is closed", 500)
+            self._calls.append((fn, done))
+            self._cv.notify()
+        return done.result()
+
+    def set_media(self, eval_media: Callable[[Any, int, int, int, int, bool, int], int]) -> None:
+        """The hook that evaluates images (a projector loaded after the engine started, on its thread)."""
+        with self._cv:
+            self._eval_media = eval_media
+
     def close(self) -> None:
         with self._cv:
             self._closed = True
@@ -293,10 +316,16 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._closed and not self.waiting and not any(s.seq for s in self.slots):
+                while not self._closed and not self._calls and not self.waiting and not any(s.seq for s in self.slots):
                     self._cv.wait()
                 if self._closed:
                     break
+                calls, self._calls = self._calls, []
+            for fn, done in calls:
+                try:
+                    done.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    done.set_exception(exc)
             try:
                 with self._cv:
                     self._admit()

@@ -201,9 +201,6 @@ class Runner:
             lc.llama_set_adapters_lora(
                 self.context.ctx, (lc.llama_adapter_lora_p_ctypes * 1)(adapter), 1, (ctypes.c_float * 1)(1.0)
             )
-        self._warm_up(self.context.ctx, self.model)
-        if spec.get("projector_path"):
-            self._load_projector(str(spec["projector_path"]), threads, flash)
         self.engine = Engine(
             lc,
             self.context.ctx,
@@ -214,8 +211,12 @@ class Runner:
             emit=self.chan.send_many,
             cache_bytes=int(spec.get("prompt_cache") or 0),
             before_first_decode=lambda: _inject_fault("first-decode", spec),
-            eval_media=self._eval_media if self.projector is not None else None,
         )
+        # on the engine's thread, as every decode after them (Engine.call)
+        self.engine.call(lambda: self._warm_up(self.context.ctx, self.model))
+        if spec.get("projector_path"):
+            self.engine.call(lambda: self._load_projector(str(spec["projector_path"]), threads, flash))
+            self.engine.set_media(self._eval_media)
 
     def _load_projector(self, path: str, threads: int, flash: int) -> None:
         """Load the vision projector for the loaded model. On the GPU only when the whole model is offloaded (as

@@ -1,0 +1,131 @@
+"""A runner does every llama.cpp computation on its engine's thread: the warm-up, the projector's load (libmtmd warms
+it up with an encode) and every decode. ggml's CPU backend runs a graph as an OpenMP parallel region and libgomp
+keeps a team of worker threads per thread that starts one; a second team (a warm-up decode on the main thread, say)
+leaves more OpenMP threads than cores on a small machine, libgomp then sleeps at barriers instead of spinning, and
+every later token pays for it (issue 19: 10-12 ms a token of SmolLM2 on 2 cores instead of 7)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.runners.base import LoadSpec
+from daemon.runners.engine import EngineError
+from daemon.runners.llama_cpp import Runner
+from tests.models import smollm2_path
+
+# Runners made here stay referenced for the whole session: each installs its log callback in llama.cpp, which must
+# outlive any later llama.cpp call in this process.
+_KEEP: list[Runner] = []
+
+
+class Chan:
+    """The runner's channel to the daemon, kept in memory."""
+
+    def __init__(self) -> None:
+        self.msgs: list[dict[str, Any]] = []
+        self.done = threading.Event()
+
+    def send(self, obj: dict[str, Any]) -> None:
+        self.send_many([obj])
+
+    def send_many(self, objs: list[dict[str, Any]]) -> None:
+        self.msgs += objs
+        if any(o.get("type") in ("done", "error") for o in objs):
+            self.done.set()
+
+
+class Decodes:
+    """The ``llama_cpp`` module, with ``llama_decode`` noting the thread that calls it."""
+
+    def __init__(self, lc: Any) -> None:
+        self._lc = lc
+        self.threads: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lc, name)
+
+    def llama_decode(self, ctx: Any, batch: Any) -> int:
+        self.threads.append(threading.current_thread().name)
+        return int(self._lc.llama_decode(ctx, batch))
+
+
+def load(spec: LoadSpec, chan: Chan) -> tuple[Runner, Decodes]:
+    runner = Runner(chan)  # type: ignore[arg-type]
+    _KEEP.append(runner)
+    decodes = Decodes(runner.lc)
+    runner.lc = decodes
+    runner.load(dataclasses.asdict(spec))
+    return runner, decodes
+
+
+def generate(runner: Runner, chan: Chan, rid: int, prompt: str) -> None:
+    chan.done.clear()
+    runner.handle(
+        {"op": "generate", "id": rid, "req": {"prompt": prompt, "params": {"num_predict": 4, "temperature": 0}}}
+    )
+    assert chan.done.wait(60)
+    assert not [m for m in chan.msgs if m.get("type") == "error"]
+
+
+def test_warm_up_and_decodes_share_the_engine_thread(tiny_gguf: Path) -> None:
+    chan = Chan()
+    runner, decodes = load(LoadSpec(model_path=str(tiny_gguf), num_ctx=128, num_parallel=2), chan)
+    try:
+        assert decodes.threads == ["engine", "engine"]  # the warm-up: a prompt-sized decode and a 1-token one
+        generate(runner, chan, 1, "hello there")
+        generate(runner, chan, 2, "another prompt")
+        assert len(decodes.threads) > 4
+        assert set(decodes.threads) == {"engine"}
+    finally:
+        runner.close()
+
+
+def test_engine_call(tiny_gguf: Path) -> None:
+    runner, _ = load(LoadSpec(model_path=str(tiny_gguf), num_ctx=128), Chan())
+    engine = runner.engine
+    assert engine is not None
+    try:
+        assert engine.call(lambda: threading.current_thread().name) == "engine"
+
+        def fails() -> None:
+            raise ValueError("from the engine thread")
+
+        with pytest.raises(ValueError, match="from the engine thread"):
+            engine.call(fails)
+        assert engine.call(lambda: 42) == 42  # the engine goes on after a call that failed
+    finally:
+        runner.close()
+    with pytest.raises(EngineError, match="closed"):
+        engine.call(lambda: None)
+
+
+@pytest.mark.real_model
+def test_projector_loads_on_the_engine_thread() -> None:
+    smol = smollm2_path()
+    if smol is None:
+        pytest.skip("SmolLM2 is not cached (run scripts/fetch_smollm2.py)")
+    from tests.vision import projector_path
+
+    loaded_on: list[str] = []
+    original = Runner._load_projector
+
+    def spy(self: Runner, *args: Any) -> None:
+        loaded_on.append(threading.current_thread().name)
+        original(self, *args)
+
+    chan = Chan()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Runner, "_load_projector", spy)
+        runner, decodes = load(LoadSpec(model_path=str(smol), num_ctx=256, projector_path=str(projector_path())), chan)
+    try:
+        assert loaded_on == ["engine"]
+        assert runner.projector is not None
+        generate(runner, chan, 1, "hello")
+        assert set(decodes.threads) == {"engine"}
+    finally:
+        runner.close()
