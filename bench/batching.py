@@ -308,14 +308,19 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def load_test(server: Corral, streams: int, tokens: int) -> dict[str, float]:
+def load_test(server: Corral, streams: int, tokens: int, *, keep: bool = False) -> dict[str, Any]:
+    """``streams`` simultaneous greedy streamed completions of ``tokens`` tokens: aggregate tokens/s and the times
+    to first token (ms; ``keep``: each of them too, and the wall time)."""
     prompts = [PROMPTS[i % len(PROMPTS)] + f" (reader {i})" for i in range(streams)]
     start = time.perf_counter()
     with cf.ThreadPoolExecutor(streams) as ex:
         results = list(ex.map(lambda p: server.stream(p, tokens), prompts))
     wall = time.perf_counter() - start
-    ttfts = [r[0] for r in results]
-    return {"tps": sum(r[1] for r in results) / wall, "p50": pct(ttfts, 0.5) * 1000, "p95": pct(ttfts, 0.95) * 1000}
+    ttfts = [r[0] * 1000 for r in results]
+    out: dict[str, Any] = {"tps": sum(r[1] for r in results) / wall, "p50": pct(ttfts, 0.5), "p95": pct(ttfts, 0.95)}
+    if keep:
+        out.update(ttfts=ttfts, wall=wall)
+    return out
 
 
 def second_turn(server: Corral, nonce: int, others: int) -> tuple[float, float, float]:

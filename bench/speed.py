@@ -4,7 +4,7 @@ Usage:
   .venv/bin/python bench/speed.py profile [--streams 1,16] [--tokens 96] [--seconds 12] [--top N]
   .venv/bin/python bench/speed.py passes
   bench/setup_peers.sh && .venv/bin/python bench/speed.py ab [--streams 1,4,8,16] [--tokens 96] [--rounds 5]
-      [CONFIG ... (default: corral llama-server)]
+      [--bursts 3] [CONFIG ... (default: corral llama-server)]
 
 ``profile`` starts corral (``CORRAL_NUM_PARALLEL=16``), and at each load level keeps that many greedy streamed
 completions going for ``--seconds`` while py-spy samples the runner child and the daemon (non-blocking, 200 Hz,
@@ -16,7 +16,8 @@ runner's frames to the daemon (JSON encoding, pipe writes), the daemon's reading
 passes over consecutive sequence ids make scattered slots cost more).
 
 ``ab`` starts corral (``CORRAL_NUM_PARALLEL=16``) and llama-server (``-np 16``) at once (idle servers use no CPU)
-and, ``--rounds`` times, runs every load level on each in an order that rotates; it reports the medians of the
+and, ``--rounds`` times, runs every load level on each in an order that rotates (a level: ``--bursts`` bursts of as
+many simultaneous requests as streams, one burst after the other, pooled); it reports the medians of the
 per-round ratios to the last configuration (llama-server) of aggregate tokens/s and of time to first token p50 and
 p95. A CONFIG is ``llama-server`` or ``corral`` with environment settings (``corral:NAME=VALUE,NAME=VALUE``), as
 in bench/ab.py; ``corral@DIR`` runs the corral checked out in DIR (``git worktree add /tmp/before ac8d809``) instead
@@ -275,7 +276,7 @@ def ab(args: argparse.Namespace) -> None:
             for n in levels:
                 k = (r + n) % len(up)  # the order rotates with the round and the level
                 for name, server in up[k:] + up[:k]:
-                    runs[name][n].append(batching.load_test(server, n, args.tokens))
+                    runs[name][n].append(bursts(server, n, args.tokens, args.bursts))
             print(
                 f"round {r + 1}: "
                 + "  |  ".join(
@@ -291,6 +292,19 @@ def ab(args: argparse.Namespace) -> None:
     print("\n".join(render(runs, levels, args)))
 
 
+def bursts(server: batching.Corral, streams: int, tokens: int, count: int) -> dict[str, float]:
+    """``count`` bursts of ``streams`` simultaneous requests one after another (bench/batching.py's load test),
+    pooled: aggregate tokens/s over the bursts' time, TTFT percentiles over all ``count * streams`` requests (at one
+    stream a single request's first token is too few to take a median of)."""
+    tokens_done, wall, ttfts = 0.0, 0.0, []
+    for _ in range(count):
+        r = batching.load_test(server, streams, tokens, keep=True)
+        tokens_done += r["tps"] * r["wall"]
+        wall += r["wall"]
+        ttfts += r["ttfts"]
+    return {"tps": tokens_done / wall, "p50": batching.pct(ttfts, 0.5), "p95": batching.pct(ttfts, 0.95)}
+
+
 def render(
     runs: dict[str, dict[int, list[dict[str, float]]]], levels: list[int], args: argparse.Namespace
 ) -> list[str]:
@@ -300,7 +314,7 @@ def render(
     configs = " ".join(names)
     lines = [
         f"Command: `bench/setup_peers.sh && .venv/bin/python bench/speed.py ab --streams {args.streams} "
-        f"--tokens {args.tokens} --rounds {args.rounds} {configs}`",
+        f"--tokens {args.tokens} --rounds {args.rounds} --bursts {args.bursts} {configs}`",
         "",
         f"| streams | configuration | tok/s / {base} | TTFT p50 / {base} | TTFT p95 / {base} | tok/s | "
         "TTFT p50 / p95 (ms) | tok/s ratio, each round | TTFT p50 ratio, each round |",
@@ -404,6 +418,7 @@ def main() -> None:
     a.add_argument("--streams", default="1,4,8,16")
     a.add_argument("--tokens", type=int, default=96)
     a.add_argument("--rounds", type=int, default=5)
+    a.add_argument("--bursts", type=int, default=3, help="bursts of simultaneous requests per level and round")
     a.add_argument("configs", nargs="*", default=["corral", "llama-server"], help="the last is the reference")
     q = sub.add_parser("passes")
     q.add_argument("--repeat", type=int, default=9)

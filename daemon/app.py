@@ -60,11 +60,10 @@ def default_runner_factory(ref: ModelRef, spec: LoadSpec, *, load_timeout: float
 async def preload_models(inference: Inference, names: tuple[str, ...]) -> None:
     """CORRAL_PRELOAD: load each model as ``/api/generate`` with an empty prompt does (default options and
     keep-alive), one after another; a model that cannot be loaded is logged and skipped."""
-    from starlette.concurrency import run_in_threadpool
 
     for name in names:
         try:
-            ctx = await run_in_threadpool(inference.model, name)
+            ctx = await inference.lookup(name)
             embedding = "completion" not in ctx.capabilities and "embedding" in ctx.capabilities
             spec = inference.load_spec(ctx, inference.options(ctx, None), embedding=embedding)
             lease = await inference.acquire(ctx, spec, None)

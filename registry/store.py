@@ -150,6 +150,9 @@ class Store:
         self.blobs_dir = self.root / "blobs"
         self.manifests_dir = self.root / "manifests"
         self._lock_file: BinaryIO | None = None
+        #: bumped by every manifest this store writes or removes: a cache of what a name resolves to (the daemon's
+        #: model lookups) is stale once it moves
+        self.generation = 0
         try:
             self.blobs_dir.mkdir(parents=True, exist_ok=True)
             self.manifests_dir.mkdir(parents=True, exist_ok=True)
@@ -371,6 +374,7 @@ class Store:
         if missing:
             raise StoreError(f"refusing to write a manifest whose blobs are missing: {', '.join(map(str, missing))}")
         self._write_file_atomic(self.manifest_path(name), manifest.raw or manifest.to_bytes())
+        self.generation += 1
 
     def read_runner_state(self) -> bytes | None:
         """The daemon's remembered runner configurations (``daemon/fallback.py``), or None."""
@@ -450,6 +454,7 @@ class Store:
         raw = src_path.read_bytes()
         Manifest.parse(raw)
         self._write_file_atomic(dst_path, raw)
+        self.generation += 1
 
     def delete(self, name: ModelName) -> list[Digest]:
         """Remove a manifest, then the blobs no other manifest references. Returns the blobs removed."""
@@ -459,6 +464,8 @@ class Store:
             path.unlink()
         except FileNotFoundError:
             raise ModelNotFound(name.short()) from None
+        finally:
+            self.generation += 1
         self._remove_empty_dirs(path.parent)
         return self.remove_unreferenced(manifest.blobs())
 

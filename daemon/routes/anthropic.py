@@ -17,7 +17,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
 
 from daemon.bodies import parse_model
 from daemon.chat.types import Content, Event, Finished, Thinking, ToolCall, ToolCalls
@@ -377,7 +376,7 @@ async def count_tokens(request: Request) -> Response:
     body.setdefault("max_tokens", 1)
     req = _chat_request(body, stream=False)
     inf = inference(request)
-    ctx = await run_in_threadpool(inf.model, req.model_name)
+    ctx = await inf.lookup(req.model_name)
     opts = inf.options(ctx, req.options)
     spec = inf.load_spec(ctx, opts)
     msgs = [message_dict(m) for m in req.messages]

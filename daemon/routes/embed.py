@@ -7,7 +7,6 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from starlette.concurrency import run_in_threadpool
 
 from daemon.bodies import read_model
 from daemon.inference import Inference, keep_alive_value, normalise
@@ -38,7 +37,7 @@ async def run_embed(inf: Inference, req: EmbedRequestBody, started: float) -> di
         raise InvalidRequest("invalid input type")
     if req.dimensions is not None and req.dimensions < 0:
         raise InvalidRequest(f"dimensions must not be negative, got {req.dimensions}")
-    ctx = await run_in_threadpool(inf.model, req.model_name)
+    ctx = await inf.lookup(req.model_name)
     opts = inf.options(ctx, req.options)
     spec = inf.load_spec(ctx, opts, embedding=True)
     async with await inf.acquire(ctx, spec, keep_alive_value(req.keep_alive)) as lease:
@@ -74,7 +73,7 @@ async def embeddings(request: Request) -> dict[str, Any]:
     if not req.model_name:
         raise InvalidRequest("model is required")
     inf = inference(request)
-    ctx = await run_in_threadpool(inf.model, req.model_name)
+    ctx = await inf.lookup(req.model_name)
     opts = inf.options(ctx, req.options)
     spec = inf.load_spec(ctx, opts, embedding=True)
     async with await inf.acquire(ctx, spec, keep_alive_value(req.keep_alive)) as lease:

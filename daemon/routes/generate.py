@@ -12,7 +12,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from daemon import prompt as prompts
 from daemon.bodies import read_model
@@ -230,7 +229,7 @@ async def run_generate(
     note(model=req.model_name)
     _check_common(req)
     _model_name_or_error(req.model_name, empty_is_404=True)
-    ctx = await run_in_threadpool(inf.model, req.model_name)
+    ctx = await inf.lookup(req.model_name)
     keep_alive = keep_alive_value(req.keep_alive)
     base = {"model": req.model_name}
 
@@ -407,7 +406,7 @@ async def run_chat(
     note(model=req.model_name)
     _check_common(req)
     _model_name_or_error(req.model_name, empty_is_404=False)
-    ctx = await run_in_threadpool(inf.model, req.model_name)
+    ctx = await inf.lookup(req.model_name)
     keep_alive = keep_alive_value(req.keep_alive)
     base = {"model": req.model_name}
     empty_message = {"role": "assistant", "content": ""}

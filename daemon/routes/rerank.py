@@ -18,7 +18,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
 
 from daemon.bodies import read_body
 from daemon.compat import BadParam, get, openai_error, read_json, shaped
@@ -61,7 +60,7 @@ async def run_rerank(inf: Inference, body: dict[str, Any], started: float) -> di
     top_n = get(body, "top_n", "int", lo=0)
     return_documents = bool(get(body, "return_documents", "bool") or False)
     truncate = get(body, "truncate", "bool")
-    ctx = await run_in_threadpool(inf.model, model)
+    ctx = await inf.lookup(model)
     if not is_reranker(ctx):
         raise InvalidRequest(f'model "{model}" does not support reranking')
     opts = inf.options(ctx, get(body, "options", "dict"))
@@ -139,7 +138,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
     add_special = bool(get(body, "add_special", "bool") or False)  # llama-server's default: false
     with_pieces = bool(get(body, "with_pieces", "bool") or False)
     inf = inference(request)
-    ctx = await run_in_threadpool(inf.model, model)
+    ctx = await inf.lookup(model)
     spec = await _spec_for(inf, ctx, body)
     async with await inf.acquire(ctx, spec, keep_alive_value(body.get("keep_alive"))) as lease:
         tokens = await lease.call(lambda runner: runner.tokenize(content, add_special=add_special))
@@ -163,7 +162,7 @@ async def detokenize(request: Request) -> dict[str, Any]:
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise BadParam("tokens", '"tokens" must be an array of integer token ids')
     inf = inference(request)
-    ctx = await run_in_threadpool(inf.model, model)
+    ctx = await inf.lookup(model)
     spec = await _spec_for(inf, ctx, body)
     async with await inf.acquire(ctx, spec, keep_alive_value(body.get("keep_alive"))) as lease:
         n_vocab = lease.runner.info().get("n_vocab")
