@@ -65,6 +65,11 @@ MIN_GAIN = 16
 # attention, one position per embedding): they wait one slice for their next token (~50 ms for SmolLM2 on 2 CPU
 # cores) instead of the whole image
 IMAGE_SLICE = 16
+# After a step that gave some sequence its first token, the engine waits this long before the next step when
+# llama.cpp computes on the CPU: its threads spin on every core while they decode, so the daemon (which turns the
+# token into the response's first line) and the client (which reads it) would each wait for the kernel to preempt
+# one of them. Paid once per request, not per token; arrivals meanwhile join the next step.
+FIRST_TOKEN_PAUSE = 0.0015
 
 
 @dataclass
@@ -148,6 +153,7 @@ class Engine:
         cache_bytes: int = 0,
         before_first_decode: Callable[[], None] | None = None,
         eval_media: Callable[[Any, int, int, int, int, bool, int], int] | None = None,
+        first_token_pause: float = 0.0,
     ) -> None:
         self.lc, self.ctx, self.vocab = lc, ctx, vocab
         # (media prompt, segment index, positions of it already evaluated, n_past, seq_id, the prompt ends with it, at
@@ -174,6 +180,8 @@ class Engine:
         self._pieces: dict[int, bytes] = {}  # token id -> its bytes (llama_token_to_piece, once per id)
         self._eog: dict[int, bool] = {}  # token id -> whether it ends a generation (llama_vocab_is_eog)
         self._row_types: dict[int, Any] = {}  # ctypes array types over the logits, by row count
+        self.first_token_pause = first_token_pause  # seconds (FIRST_TOKEN_PAUSE when llama.cpp computes on the CPU)
+        self._first_token = False  # this iteration gave some sequence its first token
         self._alone_last = False  # the last step evaluated only newcomers' prompts (``_step``)
         self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []  # ``call``, not yet run
         self._closed = False
@@ -337,6 +345,10 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - report to every active request and keep serving
                 self._fail_started(f"llama.cpp error: {exc}", 500)
             self._flush()
+            if self._first_token:
+                self._first_token = False
+                if self.first_token_pause > 0:
+                    time.sleep(self.first_token_pause)
 
     def _batch_arrays(self, n_batch: int) -> Any:
         """A ``llama_batch`` over numpy arrays this engine owns (never given to ``llama_batch_free``): a step fills
@@ -640,7 +652,7 @@ class Engine:
             tokens = sample_rows(logits, samplers, windows)
             for seq, tok in zip(outputs, tokens, strict=True):
                 if seq.first_at == 0:
-                    seq.first_at = now
+                    seq.first_at, self._first_token = now, True
                 self._accept(seq, tok, None)
             return
         lp_rows = {i: logits[i].copy() for i, q in enumerate(outputs) if q.top_logprobs is not None}
@@ -656,7 +668,7 @@ class Engine:
                 tokens[i] = sample_rows(row[None, :], [outputs[i].sampler], [windows[i]])[0]
         for i, (seq, tok) in enumerate(zip(outputs, tokens, strict=True)):
             if seq.first_at == 0:
-                seq.first_at = now
+                seq.first_at, self._first_token = now, True
             self._accept(seq, tok, lp_rows.get(i))
 
     def _logits(self, rows: int) -> np.ndarray:
@@ -840,8 +852,17 @@ def _bytes_ptr(data: np.ndarray) -> Any:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists, by slice comparisons (C speed) and a binary
+    search rather than a Python step per token: admitting a request compares its prompt (a long chat history, say)
+    with every slot's tokens."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

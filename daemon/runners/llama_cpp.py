@@ -171,7 +171,7 @@ class Runner:
             return
         from llama_cpp import _internals
 
-        from daemon.runners.engine import Engine
+        from daemon.runners.engine import FIRST_TOKEN_PAUSE, Engine
 
         mparams = lc.llama_model_default_params()
         self._model_params(mparams, spec)
@@ -211,12 +211,20 @@ class Runner:
             emit=self.chan.send_many,
             cache_bytes=int(spec.get("prompt_cache") or 0),
             before_first_decode=lambda: _inject_fault("first-decode", spec),
+            first_token_pause=0.0 if self._fully_offloaded() else FIRST_TOKEN_PAUSE,
         )
         # on the engine's thread, as every decode after them (Engine.call)
         self.engine.call(lambda: self._warm_up(self.context.ctx, self.model))
         if spec.get("projector_path"):
             self.engine.call(lambda: self._load_projector(str(spec["projector_path"]), threads, flash))
             self.engine.set_media(self._eval_media)
+
+    def _fully_offloaded(self) -> bool:
+        """Every layer on a GPU: llama.cpp's CPU threads then wait on the device instead of computing."""
+        lc = self.lc
+        n_layer = int(lc.llama_model_n_layer(self.model.model))
+        num_gpu = int(self.spec.get("num_gpu", 0))
+        return bool(lc.llama_supports_gpu_offload()) and (num_gpu < 0 or num_gpu >= n_layer)
 
     def _load_projector(self, path: str, threads: int, flash: int) -> None:
         """Load the vision projector for the loaded model. On the GPU only when the whole model is offloaded (as
@@ -226,10 +234,7 @@ class Runner:
 
         if not os.path.isfile(path):
             raise RequestError(f"projector file {path} does not exist", 500)
-        lc = self.lc
-        n_layer = int(lc.llama_model_n_layer(self.model.model))
-        num_gpu = int(self.spec.get("num_gpu", 0))
-        use_gpu = bool(lc.llama_supports_gpu_offload()) and (num_gpu < 0 or num_gpu >= n_layer)
+        use_gpu = self._fully_offloaded()
         try:
             self.projector = Projector(
                 path,

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from daemon.runners.base import LoadSpec
-from daemon.runners.engine import EngineError
+from daemon.runners.engine import FIRST_TOKEN_PAUSE, EngineError
 from daemon.runners.llama_cpp import Runner
 from tests.models import smollm2_path
 
@@ -24,10 +25,11 @@ _KEEP: list[Runner] = []
 
 
 class Chan:
-    """The runner's channel to the daemon, kept in memory."""
+    """The runner's channel to the daemon, kept in memory (with the time each message came)."""
 
     def __init__(self) -> None:
         self.msgs: list[dict[str, Any]] = []
+        self.times: list[float] = []
         self.done = threading.Event()
 
     def send(self, obj: dict[str, Any]) -> None:
@@ -35,6 +37,7 @@ class Chan:
 
     def send_many(self, objs: list[dict[str, Any]]) -> None:
         self.msgs += objs
+        self.times += [time.monotonic()] * len(objs)
         if any(o.get("type") in ("done", "error") for o in objs):
             self.done.set()
 
@@ -63,11 +66,10 @@ def load(spec: LoadSpec, chan: Chan) -> tuple[Runner, Decodes]:
     return runner, decodes
 
 
-def generate(runner: Runner, chan: Chan, rid: int, prompt: str) -> None:
+def generate(runner: Runner, chan: Chan, rid: int, prompt: str, tokens: int = 4) -> None:
     chan.done.clear()
-    runner.handle(
-        {"op": "generate", "id": rid, "req": {"prompt": prompt, "params": {"num_predict": 4, "temperature": 0}}}
-    )
+    params = {"num_predict": tokens, "temperature": 0}
+    runner.handle({"op": "generate", "id": rid, "req": {"prompt": prompt, "params": params}})
     assert chan.done.wait(60)
     assert not [m for m in chan.msgs if m.get("type") == "error"]
 
@@ -102,6 +104,25 @@ def test_engine_call(tiny_gguf: Path) -> None:
         runner.close()
     with pytest.raises(EngineError, match="closed"):
         engine.call(lambda: None)
+
+
+def test_a_pause_after_first_tokens_only(tiny_gguf: Path) -> None:
+    """On the CPU the engine waits a moment after a step that gave a sequence its first token (the daemon and the
+    client get the cores to pass it on), and never between later tokens."""
+    chan = Chan()
+    runner, _ = load(LoadSpec(model_path=str(tiny_gguf), num_ctx=128), chan)
+    engine = runner.engine
+    assert engine is not None
+    try:
+        assert engine.first_token_pause == FIRST_TOKEN_PAUSE > 0
+        engine.first_token_pause = 0.5  # long enough to see through any scheduling noise
+        generate(runner, chan, 1, "hello there", tokens=6)
+        at = [t for m, t in zip(chan.msgs, chan.times, strict=True) if m.get("type") == "token"]
+        assert len(at) == 6
+        assert at[1] - at[0] >= 0.5
+        assert all(b - a < 0.5 for a, b in zip(at[1:], at[2:], strict=False))
+    finally:
+        runner.close()
 
 
 @pytest.mark.real_model
