@@ -17,12 +17,12 @@ passes over consecutive sequence ids make scattered slots cost more).
 
 ``ab`` starts corral (``CORRAL_NUM_PARALLEL=16``) and llama-server (``-np 16``) at once (idle servers use no CPU)
 and, ``--rounds`` times, runs every load level on each in an order that rotates (a level: ``--bursts`` bursts of as
-many simultaneous requests as streams, one burst after the other, pooled; at least 16 requests a level); it reports the medians of the
-per-round ratios to the last configuration (llama-server) of aggregate tokens/s and of time to first token p50 and
-p95. A CONFIG is ``llama-server`` or ``corral`` with environment settings (``corral:NAME=VALUE,NAME=VALUE``), as
-in bench/ab.py; ``corral@DIR`` runs the corral checked out in DIR (``git worktree add /tmp/before ac8d809``) instead
-of this one. Both servers
-and the load come from bench/batching.py (SmolLM2-135M-Instruct Q4_1, greedy, streamed).
+many simultaneous requests as streams, at least 16 requests in all, one burst after the other, pooled); it reports
+the medians of the per-round ratios to the last configuration (llama-server) of aggregate tokens/s and of time to
+first token p50 and p95. A CONFIG is ``llama-server`` or ``corral`` with environment settings
+(``corral:NAME=VALUE,NAME=VALUE``), as in bench/ab.py; ``corral@DIR`` runs the corral checked out in DIR (``git
+worktree add /tmp/before ac8d809``) instead of this one. Both servers and the load come from bench/batching.py
+(SmolLM2-135M-Instruct Q4_1, greedy, streamed).
 """
 
 from __future__ import annotations
