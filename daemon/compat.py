@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from daemon.bodies import read_body
 from daemon.errors import error_headers, status_for
+from daemon.streaming import LiveStream
 from registry.errors import CorralError, InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -209,6 +210,6 @@ async def guarded(
 
 
 def sse_response(body: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(
+    return LiveStream(
         body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )

@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
 
 from daemon.errors import error_response
 from registry.errors import CorralError
@@ -19,8 +20,23 @@ log = logging.getLogger(__name__)
 NDJSON = "application/x-ndjson"
 
 
-def _line(obj: dict[str, Any]) -> bytes:
+def ndjson_line(obj: dict[str, Any]) -> bytes:
     return (json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
+
+
+class LiveStream(StreamingResponse):
+    """A generation streamed as it comes: the headers and then each chunk handed to the server at once, in the
+    request's own task. Starlette's StreamingResponse also starts a task group and a task listening for the
+    client's disconnect for every response (under uvicorn's h11 server), which a token's first line waits behind;
+    here ``daemon.disconnect.CancelOnDisconnect`` watches the connection and cancels the handler when the client
+    leaves, for streamed and whole answers alike."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            body = chunk if isinstance(chunk, bytes | memoryview) else chunk.encode(self.charset)
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _next(it: Iterator[dict[str, Any]]) -> dict[str, Any] | None:
@@ -46,14 +62,14 @@ async def progress_response(it: Iterator[dict[str, Any]], *, stream: bool) -> Re
     async def body() -> Any:
         if first is None:
             return
-        yield _line(first)
+        yield ndjson_line(first)
         try:
             while (item := await run_in_threadpool(_next, it)) is not None:
-                yield _line(item)
+                yield ndjson_line(item)
         except CorralError as exc:
-            yield _line({"error": str(exc)})
+            yield ndjson_line({"error": str(exc)})
         except Exception as exc:  # the stream has started: report, never crash the daemon
             log.exception("stream failed: %s", exc)
-            yield _line({"error": f"internal error: {exc}"})
+            yield ndjson_line({"error": f"internal error: {exc}"})
 
     return StreamingResponse(body(), media_type=NDJSON)

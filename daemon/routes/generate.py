@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from daemon import prompt as prompts
 from daemon.bodies import read_model
@@ -24,19 +23,15 @@ from daemon.observe import note
 from daemon.runners.base import Done, GenerateRequest, RunnerCrashed, SampleParams, Token
 from daemon.scheduler import Lease
 from daemon.schemas import ChatMessage, ChatRequestBody, GenerateRequestBody, InferenceRequest
+from daemon.streaming import NDJSON, LiveStream, ndjson_line
 from registry.errors import CorralError, InvalidRequest, ModelNotFound
 
 log = logging.getLogger(__name__)
 router = APIRouter()
-NDJSON = "application/x-ndjson"
 
 
 def inference(request: Request) -> Inference:
     return request.app.state.inference
-
-
-def _line(obj: dict[str, Any]) -> bytes:
-    return (json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
 
 
 async def respond(chunks: AsyncIterator[dict[str, Any]], *, stream: bool, text_key: str) -> Response:
@@ -83,19 +78,19 @@ async def respond(chunks: AsyncIterator[dict[str, Any]], *, stream: bool, text_k
         return error_response(exc)
 
     async def body() -> AsyncIterator[bytes]:
-        yield _line(first)
+        yield ndjson_line(first)
         try:
             async for chunk in it:
-                yield _line(chunk)
+                yield ndjson_line(chunk)
         except CorralError as exc:
-            yield _line({"error": str(exc)})
+            yield ndjson_line({"error": str(exc)})
         except Exception as exc:  # the stream has started; never crash the daemon
             log.exception("generation failed: %s", exc)
-            yield _line({"error": f"internal error: {exc}"})
+            yield ndjson_line({"error": f"internal error: {exc}"})
         finally:
             await it.aclose()  # type: ignore[attr-defined]
 
-    return StreamingResponse(body(), media_type=NDJSON)
+    return LiveStream(body(), media_type=NDJSON)
 
 
 def _check_common(req: InferenceRequest) -> None:

@@ -196,6 +196,26 @@ def test_client_disconnect_stops_generation(smol_daemon: Daemon) -> None:
         assert r.status_code == 200 and time.monotonic() - started < 20
 
 
+def runner_cpu(d: Daemon) -> float:
+    return sum(sum(p.cpu_times()[:2]) for p in psutil.Process(d.proc.pid).children(recursive=True))
+
+
+@pytest.mark.parametrize("path", ["/api/generate", "/v1/completions"])
+def test_a_stream_left_midway_stops_its_generation(smol_daemon: Daemon, path: str) -> None:
+    """The runner goes idle soon after the client of a streamed generation leaves (NDJSON and SSE alike): nothing
+    keeps decoding for nobody."""
+    body = {"model": "smol", "prompt": "Count to one thousand.", "stream": True}
+    body |= {"options": {"num_predict": 3000}} if path == "/api/generate" else {"max_tokens": 3000}
+    with httpx.Client(base_url=smol_daemon.url, timeout=120) as h, h.stream("POST", path, json=body) as r:
+        for i, _line in enumerate(r.iter_lines()):
+            if i == 3:
+                break
+    time.sleep(1.0)
+    before = runner_cpu(smol_daemon)
+    time.sleep(2.0)
+    assert runner_cpu(smol_daemon) - before < 0.5  # decoding takes a core or more the whole time
+
+
 def test_budget_evicts_and_refuses(tmp_path: Path) -> None:
     from daemon.memory import estimate
     from registry.gguf import read_gguf_file
