@@ -70,6 +70,10 @@ IMAGE_SLICE = 16
 # token into the response's first line) and the client (which reads it) would each wait for the kernel to preempt
 # one of them. Paid once per request, not per token; arrivals meanwhile join the next step.
 FIRST_TOKEN_PAUSE = 0.0015
+# A decoding sequence is moved into a gap between busy slots (``_compact``) only with at least this many tokens left
+# to generate: the move copies a whole KV stream once (~8 ms for 2,048 cells on 2 CPU cores), a gap costs a pass
+# every step (~4.5 ms)
+COMPACT_MIN_LEFT = 16
 
 
 @dataclass
@@ -337,6 +341,7 @@ class Engine:
             try:
                 with self._cv:
                     self._admit()
+                    self._compact()
                 self._reap_cancelled()
                 self._eval_image()
                 self._step()
@@ -434,6 +439,31 @@ class Engine:
             if seq.media is not None:
                 seq.pending, seq.rest = split_at_image(seq.pending)
             seq.prompt_cached = reuse
+
+    def _compact(self) -> None:
+        """Keep the busy slots together: when a free slot lies between busy ones, move the sequence in the highest
+        busy slot into it (one move per step). llama.cpp runs a step over several KV streams in passes of
+        consecutive sequence ids, so busy slots 0, 1, 2 and 4 cost two passes a step where 0-3 cost one; requests
+        take the slot that holds their prompt, so earlier traffic decides where they land (four streams after
+        sixteen: 142 against 174 tokens/s on 2 CPU cores). Only a sequence that is decoding (no prompt or image
+        left to evaluate) with at least ``COMPACT_MIN_LEFT`` tokens to go moves; its old slot keeps the same KV as a
+        cached prefix for later requests."""
+        busy = [s for s in self.slots if s.seq is not None]
+        if len(busy) < 2 or busy[-1].seq_id - busy[0].seq_id + 1 == len(busy):
+            return
+        src = busy[-1]
+        seq = src.seq
+        assert seq is not None
+        if seq.pending or seq.rest or seq.next_token is None or seq.limit - len(seq.generated) < COMPACT_MIN_LEFT:
+            return
+        dst = next(s for s in self.slots[busy[0].seq_id : src.seq_id] if s.seq is None)
+        if len(dst.tokens) >= SAVE_MIN_TOKENS:
+            self._save(dst)  # what it held is about to be overwritten
+        self.lc.llama_memory_seq_rm(self.mem, dst.seq_id, -1, -1)
+        self.lc.llama_memory_seq_cp(self.mem, src.seq_id, dst.seq_id, -1, -1)
+        dst.tokens, src.tokens = src.tokens, list(src.tokens)
+        dst.seq, src.seq, seq.slot = seq, None, dst
+        dst.last_used = src.last_used = time.monotonic()
 
     def _pick(self, free: list[Slot], prompt: list[int]) -> Slot:
         """The free slot for a new request: the one whose cached tokens share the longest prefix with its prompt;

@@ -1,0 +1,66 @@
+"""Busy slots are kept together (engine._compact): llama.cpp runs a step over several KV streams in passes of
+consecutive sequence ids, so a gap between busy slots costs a pass every step. A decoding sequence moved into the
+gap goes on exactly as it would have (greedy output equal to the same request alone)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from daemon.runners.base import LoadSpec
+from daemon.runners.engine import COMPACT_MIN_LEFT
+from tests.runners.test_compute_thread import Chan, load
+
+
+def request(runner: Any, rid: int, prompt: str, tokens: int) -> None:
+    params = {"num_predict": tokens, "temperature": 0}
+    runner.handle({"op": "generate", "id": rid, "req": {"prompt": prompt, "params": params}})
+
+
+def tokens_of(chan: Chan, rid: int) -> tuple[list[str], str]:
+    pieces = [m["text"] for m in chan.msgs if m.get("id") == rid and m.get("type") == "token"]
+    done = [m for m in chan.msgs if m.get("id") == rid and m.get("type") == "done"]
+    return pieces, done[0].get("done_reason", "") if done else ""
+
+
+def wait_done(chan: Chan, rid: int, timeout: float = 60) -> None:
+    end = time.monotonic() + timeout
+    while not any(m.get("id") == rid and m.get("type") in ("done", "error") for m in chan.msgs):
+        assert time.monotonic() < end, f"request {rid} did not finish"
+        time.sleep(0.01)
+
+
+def test_a_gap_is_closed_and_the_moved_sequence_is_unchanged(tiny_gguf: Path) -> None:
+    long = 6 * COMPACT_MIN_LEFT
+    alone_chan = Chan()
+    alone, _ = load(LoadSpec(model_path=str(tiny_gguf), num_ctx=512, num_parallel=3), alone_chan)
+    try:
+        request(alone, 1, "the third one", long)
+        wait_done(alone_chan, 1)
+    finally:
+        alone.close()
+    expected = tokens_of(alone_chan, 1)
+
+    chan = Chan()
+    runner, _ = load(LoadSpec(model_path=str(tiny_gguf), num_ctx=512, num_parallel=3), chan)
+    engine = runner.engine
+    assert engine is not None
+    try:
+        engine.call(lambda: None)  # the engine is up; the three are admitted together, in slots 0, 1 and 2
+        with engine._cv:
+            request(runner, 1, "the first one", long)
+            request(runner, 2, "the short one", 2)
+            request(runner, 3, "the third one", long)
+        wait_done(chan, 2)
+        seen: set[tuple[int, ...]] = set()
+        end = time.monotonic() + 30
+        while not any(m.get("id") == 3 and m.get("type") == "done" for m in chan.msgs) and time.monotonic() < end:
+            seen.add(tuple(s["id"] for s in engine.slots_info() if s["busy"]))
+            time.sleep(0.002)
+        wait_done(chan, 1)
+        wait_done(chan, 3)
+        assert (0, 1) in seen  # the third request went on in slot 1 once the short one left it
+        assert tokens_of(chan, 3) == expected
+    finally:
+        runner.close()
