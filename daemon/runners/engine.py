@@ -447,10 +447,12 @@ class Engine:
         take the slot that holds their prompt, so earlier traffic decides where they land (four streams after
         sixteen: 142 against 174 tokens/s on 2 CPU cores). Only a sequence that is decoding (no prompt or image
         left to evaluate) with at least ``COMPACT_MIN_LEFT`` tokens to go moves; its old slot keeps the same KV as a
-        cached prefix for later requests."""
+        cached prefix for later requests. Never while a request still waits for its first token."""
         busy = [s for s in self.slots if s.seq is not None]
         if len(busy) < 2 or busy[-1].seq_id - busy[0].seq_id + 1 == len(busy):
             return
+        if self.waiting or any(s.seq is not None and (s.seq.pending or s.seq.first_at == 0) for s in busy):
+            return  # first tokens come first: a move waits until nobody is waiting for one
         src = busy[-1]
         seq = src.seq
         assert seq is not None
