@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -44,15 +43,6 @@ _second_cache: list[Any] = [-1, ""]
 
 
 MODEL_CACHE = 64  # model lookups remembered (Inference.lookup)
-
-
-def _identity(name: ModelName, inf: Inference) -> tuple[int, int, int]:
-    """The manifest file's inode, size and modification time; zeros when it is gone."""
-    try:
-        st = os.stat(inf.catalog.store.manifest_path(name))
-    except OSError:
-        return (0, 0, 0)
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def now_rfc3339() -> str:
@@ -151,20 +141,21 @@ class Inference:
         memory at the cost of one ``stat`` on the event loop; otherwise the store is read in a worker thread. Every
         request to a model needs this before it can reach the runner, so a burst of requests (16 users at once)
         reaches it within a few milliseconds instead of one worker-thread hop and a few file reads apart."""
+        store = self.catalog.store
         hit = self._models.get(raw)
         if hit is not None:
             generation, identity, ctx = hit
-            if generation == self.catalog.store.generation and identity == _identity(ctx.stored.name, self):
+            if generation == store.generation and identity == store.manifest_stamp(ctx.stored.name):
                 self._models.move_to_end(raw)
                 return ctx
             del self._models[raw]
         from starlette.concurrency import run_in_threadpool
 
-        generation = self.catalog.store.generation
+        generation = store.generation
         ctx = await run_in_threadpool(self.model, raw)
-        identity = _identity(ctx.stored.name, self)
-        if identity != (0, 0, 0):
-            self._models[raw] = (generation, identity, ctx)
+        stamp = store.manifest_stamp(ctx.stored.name)
+        if stamp is not None:
+            self._models[raw] = (generation, stamp, ctx)
             while len(self._models) > MODEL_CACHE:
                 self._models.popitem(last=False)
         return ctx

@@ -355,6 +355,15 @@ class Store:
             raise ModelNotFound(given if given is not None else name.short())
         return canonical
 
+    def manifest_stamp(self, name: ModelName) -> tuple[int, int, int] | None:
+        """The manifest file's inode, size and modification time (a rewrite or a replacement changes it); None when
+        it is gone."""
+        try:
+            st = self.manifest_path(name).stat()
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
     def read_manifest(self, name: ModelName) -> Manifest:
         path = self.manifest_path(name)
         try:
