@@ -74,6 +74,11 @@ FIRST_TOKEN_PAUSE = 0.0015
 # to generate: the move copies a whole KV stream once (~8 ms for 2,048 cells on 2 CPU cores), a gap costs a pass
 # every step (~4.5 ms)
 COMPACT_MIN_LEFT = 16
+# When llama.cpp's threads take every core, a running sequence's tokens are sent to the daemon at most this often (a
+# first piece of text, an end and an error go at once): each frame wakes the daemon, which takes a core from the
+# decode in progress and stalls all its threads at the next barrier (~0.45 ms a frame for SmolLM2 on 2 CPU cores,
+# 6-7% of a token). Tokens then reach a stream in groups of two or three, within one frame of a 60 Hz display.
+STREAM_INTERVAL = 0.02
 
 
 @dataclass
@@ -140,6 +145,7 @@ class Seq:
     media: Any = None  # a vision.MediaPrompt (prompts with images), closed when the sequence ends
     media_base: int = 0  # prompt entries before the media prompt's (the request's ``context`` tokens)
     rest: list[int] = field(default_factory=list)  # prompt entries after ``pending``, from an image on
+    shown: bool = False  # some of its text has been emitted
 
 
 class Engine:
@@ -158,6 +164,7 @@ class Engine:
         before_first_decode: Callable[[], None] | None = None,
         eval_media: Callable[[Any, int, int, int, int, bool, int], int] | None = None,
         first_token_pause: float = 0.0,
+        stream_interval: float = 0.0,
     ) -> None:
         self.lc, self.ctx, self.vocab = lc, ctx, vocab
         # (media prompt, segment index, positions of it already evaluated, n_past, seq_id, the prompt ends with it, at
@@ -186,6 +193,9 @@ class Engine:
         self._row_types: dict[int, Any] = {}  # ctypes array types over the logits, by row count
         self.first_token_pause = first_token_pause  # seconds (FIRST_TOKEN_PAUSE when llama.cpp computes on the CPU)
         self._first_token = False  # this iteration gave some sequence its first token
+        self.stream_interval = stream_interval  # seconds (STREAM_INTERVAL when llama.cpp's threads take every core)
+        self._urgent = False  # ``_out`` holds a first piece of text, an end or an error: send it now
+        self._sent_at = 0.0  # time.monotonic() of the last send
         self._alone_last = False  # the last step evaluated only newcomers' prompts (``_step``)
         self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []  # ``call``, not yet run
         self._closed = False
@@ -329,6 +339,13 @@ class Engine:
         while True:
             with self._cv:
                 while not self._closed and not self._calls and not self.waiting and not any(s.seq for s in self.slots):
+                    if self._out:  # nothing held past the work that made it
+                        self._cv.release()
+                        try:
+                            self._flush(now=True)
+                        finally:
+                            self._cv.acquire()
+                        continue
                     self._cv.wait()
                 if self._closed:
                     break
@@ -349,7 +366,13 @@ class Engine:
                 self._fail_started(str(exc), exc.status)
             except Exception as exc:  # noqa: BLE001 - report to every active request and keep serving
                 self._fail_started(f"llama.cpp error: {exc}", 500)
-            self._flush()
+            # tokens are held (``stream_interval``) only when the next iteration is a plain decoding step: never
+            # behind a prompt's chunk, an image, a call or an admission, which take far longer
+            self._flush(
+                now=bool(
+                    self._calls or self.waiting or any(s.seq and (s.seq.pending or s.seq.rest) for s in self.slots)
+                )
+            )
             if self._first_token:
                 self._first_token = False
                 if self.first_token_pause > 0:
@@ -379,14 +402,22 @@ class Engine:
         return batch
 
     def emit(self, msg: dict[str, Any]) -> None:
+        if msg["type"] != "token":
+            self._urgent = True
         self._out.append(msg)
 
-    def _flush(self) -> None:
-        """Send what this iteration produced in one go: one write and one wake-up of the daemon per step, not
-        one per sequence (on 2 cores each wake-up takes a core from ``llama_decode``)."""
-        if self._out:
-            out, self._out = self._out, []
-            self._emit_many(out)
+    def _flush(self, *, now: bool = False) -> None:
+        """Send what the iterations produced in one go: one write and one wake-up of the daemon per step, not one
+        per sequence (on 2 cores each wake-up takes a core from ``llama_decode``), and with ``stream_interval`` set,
+        one per interval while only running sequences' next tokens are waiting."""
+        if not self._out:
+            return
+        at = time.monotonic()
+        if not (now or self._urgent) and at - self._sent_at < self.stream_interval:
+            return
+        out, self._out = self._out, []
+        self._urgent, self._sent_at = False, at
+        self._emit_many(out)
 
     def _admit(self) -> None:
         """Give waiting requests free slots, reusing the longest cached prefix (caller holds the lock)."""
@@ -744,6 +775,8 @@ class Engine:
         seq.text += seq.decoder.decode(self._token_bytes(token))
         emit, hit = split_stop(seq.text, seq.stops)
         if emit:
+            if not seq.shown:  # a stream's first text goes out at once (its time to first token)
+                seq.shown = self._urgent = True
             msg: dict[str, Any] = {"id": seq.rid, "type": "token", "text": emit}
             if raw is not None:
                 msg["logprobs"] = self._logprobs(raw, token, seq.top_logprobs or 0)

@@ -171,7 +171,7 @@ class Runner:
             return
         from llama_cpp import _internals
 
-        from daemon.runners.engine import FIRST_TOKEN_PAUSE, Engine
+        from daemon.runners.engine import FIRST_TOKEN_PAUSE, STREAM_INTERVAL, Engine
 
         mparams = lc.llama_model_default_params()
         self._model_params(mparams, spec)
@@ -212,12 +212,22 @@ class Runner:
             cache_bytes=int(spec.get("prompt_cache") or 0),
             before_first_decode=lambda: _inject_fault("first-decode", spec),
             first_token_pause=0.0 if self._fully_offloaded() else FIRST_TOKEN_PAUSE,
+            stream_interval=STREAM_INTERVAL if self._takes_every_core(threads) else 0.0,
         )
         # on the engine's thread, as every decode after them (Engine.call)
         self.engine.call(lambda: self._warm_up(self.context.ctx, self.model))
         if spec.get("projector_path"):
             self.engine.call(lambda: self._load_projector(str(spec["projector_path"]), threads, flash))
             self.engine.set_media(self._eval_media)
+
+    def _takes_every_core(self, threads: int) -> bool:
+        """llama.cpp computes on the CPU with a thread on every core this process may use: any other process that
+        wakes (the daemon, for each frame) then takes a core from a decode in progress."""
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):  # macOS has no affinity: every core
+            cores = os.cpu_count() or 1
+        return not self._fully_offloaded() and threads >= cores
 
     def _fully_offloaded(self) -> bool:
         """Every layer on a GPU: llama.cpp's CPU threads then wait on the device instead of computing."""
