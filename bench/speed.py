@@ -3,6 +3,7 @@
 Usage:
   .venv/bin/python bench/speed.py profile [--streams 1,16] [--tokens 96] [--seconds 12] [--top N]
   .venv/bin/python bench/speed.py passes
+  .venv/bin/python bench/speed.py cpu [--streams 1,16] [--tokens 96] [--seconds 12] [--rounds 2] [CONFIG ...]
   bench/setup_peers.sh && .venv/bin/python bench/speed.py ab [--streams 1,4,8,16] [--tokens 96] [--rounds 5]
       [--bursts 3] [CONFIG ... (default: corral llama-server)]
 
@@ -11,6 +12,10 @@ completions going for ``--seconds`` while py-spy samples the runner child and th
 py-spy installed in the venv: ``.venv/bin/pip install py-spy``). It prints each process's CPU time per generated
 token (psutil) and what py-spy saw, grouped: ``llama_decode``, sampling, detokenization, per-step Python, the
 runner's frames to the daemon (JSON encoding, pipe writes), the daemon's reading of them, its HTTP streaming.
+
+``cpu`` starts each corral CONFIG (as ``ab`` takes them, default ``corral``) in turn and, at each load level, keeps
+that many greedy streamed completions going for ``--seconds``: the CPU time of the daemon and of the runner (llama.cpp's
+threads included) per generated token, and the tokens/s, ``--rounds`` times (no profiler attached).
 
 ``passes`` times one ``llama_decode`` in-process for several batch layouts over 16 KV streams (how llama.cpp's
 passes over consecutive sequence ids make scattered slots cost more).
@@ -341,6 +346,43 @@ def render(
     return lines
 
 
+# -- cpu -------------------------------------------------------------------------------------------------------------
+def cpu(args: argparse.Namespace) -> None:
+    gguf = batching.smollm2_path()
+    if gguf is None:
+        sys.exit("SmolLM2 is not cached: run scripts/fetch_smollm2.py")
+    levels = [int(x) for x in args.streams.split(",")]
+    for r in range(args.rounds):
+        for name in args.configs:
+            with tempfile.TemporaryDirectory() as tmp:
+                server = start(name, gguf, Path(tmp))
+                try:
+                    server.stream(batching.PROMPTS[0], 8)
+                    daemon = psutil.Process(server.proc.pid)
+                    runner = next(
+                        p
+                        for p in daemon.children(recursive=True)
+                        if "daemon.runners.llama_cpp" in " ".join(p.cmdline())
+                    )
+                    for n in levels:
+                        batching.load_test(server, n, args.tokens)  # warm this level up
+                        d0, r0, start_at, runs = cpu_seconds(daemon), cpu_seconds(runner), time.perf_counter(), 0
+                        while time.perf_counter() - start_at < args.seconds:
+                            batching.load_test(server, n, args.tokens)
+                            runs += 1
+                        wall = time.perf_counter() - start_at
+                        generated = runs * n * args.tokens  # greedy streams of these prompts never stop early
+                        print(
+                            f"round {r + 1} {name} {n:2d} streams: daemon "
+                            f"{1000 * (cpu_seconds(daemon) - d0) / generated:.3f} ms, runner "
+                            f"{1000 * (cpu_seconds(runner) - r0) / generated:.2f} ms CPU per token; "
+                            f"{generated / wall:.0f} tok/s",
+                            flush=True,
+                        )
+                finally:
+                    server.close()
+
+
 # -- passes ----------------------------------------------------------------------------------------------------------
 def passes(args: argparse.Namespace) -> None:
     """What one ``llama_decode`` costs for a few batch layouts over 16 KV streams (one per slot, as the runner
@@ -420,10 +462,16 @@ def main() -> None:
     a.add_argument("--rounds", type=int, default=5)
     a.add_argument("--bursts", type=int, default=3, help="bursts of simultaneous requests per level and round")
     a.add_argument("configs", nargs="*", default=["corral", "llama-server"], help="the last is the reference")
+    c = sub.add_parser("cpu")
+    c.add_argument("--streams", default="1,16")
+    c.add_argument("--tokens", type=int, default=96)
+    c.add_argument("--seconds", type=int, default=12)
+    c.add_argument("--rounds", type=int, default=2)
+    c.add_argument("configs", nargs="*", default=["corral"], help="corral[@CHECKOUT][:NAME=VALUE,...]")
     q = sub.add_parser("passes")
     q.add_argument("--repeat", type=int, default=9)
     args = ap.parse_args()
-    {"profile": profile, "ab": ab, "passes": passes}[args.cmd](args)
+    {"profile": profile, "ab": ab, "cpu": cpu, "passes": passes}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
+from daemon import arrivals
 from daemon.runners.base import (
     Done,
     Embedding,
@@ -239,7 +240,8 @@ class ProcessRunner:
         # daemon's work per request); JSON writes the tuples as arrays
         payload = dict(vars(req))
         payload["params"] = dict(vars(req.params))
-        self._send({"op": "generate", "id": rid, "req": payload})
+        # how many other generation requests are still on their way in: the runner may wait for a burst's rest
+        self._send({"op": "generate", "id": rid, "req": payload, "arriving": arrivals.handed()})
         finished = False
         try:
             while True:
