@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from daemon import arrivals, logs
+from daemon import logs
 from daemon.security import ASGIApp, Receive, Scope, Send
 
 log = logging.getLogger("daemon.access")
@@ -122,7 +122,6 @@ class Observe:
         info: dict[str, Any] = {"status": 500}
         token = _current.set(info)
         started = time.monotonic()
-        arrival = arrivals.enter() if scope["method"] == "POST" and scope["path"] in arrivals.GENERATION_PATHS else None
 
         async def send_status(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
@@ -133,8 +132,6 @@ class Observe:
             await self.app(scope, receive, send_status)
         finally:
             _current.reset(token)
-            if arrival is not None:
-                arrivals.leave(*arrival)
             seconds = time.monotonic() - started
             endpoint = endpoint_of(scope["path"])
             self.metrics.requests.labels(endpoint, str(info["status"])).inc()

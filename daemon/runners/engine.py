@@ -79,12 +79,6 @@ COMPACT_MIN_LEFT = 16
 # decode in progress and stalls all its threads at the next barrier (~0.45 ms a frame for SmolLM2 on 2 CPU cores,
 # 6-7% of a token). Tokens then reach a stream in groups of two or three, within one frame of a 60 Hz display.
 STREAM_INTERVAL = 0.02
-# An idle engine told that more requests are on their way (a burst: ``submit``'s ``arriving``) waits this long for the
-# next one before it starts decoding, and at most BURST_WAIT in all: on a CPU the decode would otherwise take every
-# core while the daemon is still reading the others (~3 ms of its CPU each), and each of them would join a later
-# step; waiting, the burst's prompts go through llama.cpp in one step
-ARRIVAL_WAIT = 0.006
-BURST_WAIT = 0.06
 
 
 @dataclass
@@ -203,9 +197,6 @@ class Engine:
         self._urgent = False  # ``_out`` holds a first piece of text, an end or an error: send it now
         self._sent_at = 0.0  # time.monotonic() of the last send
         self._alone_last = False  # the last step evaluated only newcomers' prompts (``_step``)
-        self._arriving = 0  # requests the daemon said were still on their way with the last submit
-        self._arrival_until = 0.0  # time.monotonic() until which an idle engine waits for the next of them
-        self._burst_until = 0.0  # and the end of the whole burst's wait
         self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []  # ``call``, not yet run
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -221,11 +212,9 @@ class Engine:
         shift: bool = True,
         truncate: bool = True,
         media: Any = None,
-        arriving: int = 0,
     ) -> None:
         """Queue a generation; its tokens and its final ``done`` go to ``emit``. Bad input raises EngineError.
-        ``media``: the vision.MediaPrompt whose ``cache_key()`` ends ``prompt`` (a prompt with images).
-        ``arriving``: how many more requests the daemon was still reading (an idle engine waits a little for them)."""
+        ``media``: the vision.MediaPrompt whose ``cache_key()`` ends ``prompt`` (a prompt with images)."""
         if not prompt:
             raise EngineError("empty prompt")
         if media is not None:
@@ -270,14 +259,6 @@ class Engine:
         with self._cv:
             self.by_rid[rid] = seq
             self.waiting.append(seq)
-            now = time.monotonic()
-            if arriving <= 0:
-                self._arriving = 0
-            elif self._arriving <= 0:  # the first of a burst: BURST_WAIT from now at most
-                self._arriving, self._burst_until = arriving, now + BURST_WAIT
-            else:
-                self._arriving = arriving
-            self._arrival_until = min(now + ARRIVAL_WAIT, self._burst_until)
             self._cv.notify()
 
     def cancel(self, rid: int) -> None:
@@ -366,7 +347,6 @@ class Engine:
                             self._cv.acquire()
                         continue
                     self._cv.wait()
-                self._await_burst()
                 if self._closed:
                     break
                 calls, self._calls = self._calls, []
@@ -397,16 +377,6 @@ class Engine:
                 self._first_token = False
                 if self.first_token_pause > 0:
                     time.sleep(self.first_token_pause)
-
-    def _await_burst(self) -> None:
-        """While nothing decodes and the daemon said more requests are on their way, wait (briefly) for them, so that
-        a burst's prompts share one step (caller holds the lock)."""
-        while self._arriving > 0 and not self._closed and not self._calls:
-            left = self._arrival_until - time.monotonic()
-            if left <= 0 or any(s.seq is not None and s.seq.next_token is not None for s in self.slots):
-                break
-            self._cv.wait(left)
-        self._arriving = 0
 
     def _batch_arrays(self, n_batch: int) -> Any:
         """A ``llama_batch`` over numpy arrays this engine owns (never given to ``llama_batch_free``): a step fills

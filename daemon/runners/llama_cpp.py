@@ -385,9 +385,8 @@ class Runner:
         return list(self.model.tokenize(text.encode("utf-8"), add_bos=add_special, special=True))
 
     # -- generate ------------------------------------------------------------------------------------------------
-    def generate(self, rid: int, req: dict[str, Any], *, arriving: int = 0) -> None:
-        """Hand the request to the batching engine; its tokens and ``done`` are sent from the engine thread.
-        ``arriving``: how many other generation requests the daemon was still reading when it sent this one."""
+    def generate(self, rid: int, req: dict[str, Any]) -> None:
+        """Hand the request to the batching engine; its tokens and ``done`` are sent from the engine thread."""
         from daemon.runners.engine import EngineError
 
         if self.llm is not None:
@@ -419,7 +418,6 @@ class Runner:
                 shift=bool(req.get("shift", True)),
                 truncate=bool(req.get("truncate", True)),
                 media=media,
-                arriving=arriving,
             )
         except EngineError as exc:
             if media is not None:
@@ -592,7 +590,7 @@ class Runner:
         op = msg.get("op")
         try:
             if op == "generate":
-                self.generate(rid, msg["req"], arriving=int(msg.get("arriving") or 0))
+                self.generate(rid, msg["req"])
             elif op == "embed":
                 self.chan.send(
                     {"id": rid, "type": "result", **self.embed(list(msg["inputs"]), bool(msg.get("truncate", True)))}

@@ -20,7 +20,6 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from daemon import arrivals
 from daemon.runners.base import (
     Done,
     Embedding,
@@ -240,8 +239,7 @@ class ProcessRunner:
         # daemon's work per request); JSON writes the tuples as arrays
         payload = dict(vars(req))
         payload["params"] = dict(vars(req.params))
-        # how many other generation requests are still on their way in: the runner may wait for a burst's rest
-        self._send({"op": "generate", "id": rid, "req": payload, "arriving": arrivals.handed()})
+        self._send({"op": "generate", "id": rid, "req": payload})
         finished = False
         try:
             while True:
