@@ -273,7 +273,7 @@ def test_embeddings_with_a_quantized_kv_cache(q8_daemon: Daemon) -> None:
 @pytest.mark.real_model
 @needs_smol
 def test_q8_0_kv_is_smaller_and_greedy_equals_in_process(auto_daemon: Daemon, q8_daemon: Daemon) -> None:
-    from tests.reference import completion_text
+    from tests.reference import run_llama
 
     prompt = "The capital of France is"
     opts = {**GREEDY, "num_ctx": 8192}
@@ -296,11 +296,15 @@ def test_q8_0_kv_is_smaller_and_greedy_equals_in_process(auto_daemon: Daemon, q8
     assert out.returncode == 0 and "8192 q8_0" in out.stdout, out.stdout + out.stderr
 
     # in a child process, without extra buffer types where they crash (tests/reference.py)
-    ref = completion_text(
+    ref, _ = run_llama(
         dict(
             model_path=str(SMOL), n_ctx=8192, n_batch=512, verbose=False, seed=42, flash_attn=True, type_k=8, type_v=8
         ),  # GGML_TYPE_Q8_0
         dict(prompt=prompt, max_tokens=24, temperature=0, repeat_penalty=1.0, top_k=40, top_p=0.9, seed=42),
     )
-    assert body["response"] == ref
-    assert body["eval_count"] == 24
+    assert ref is not None
+    assert body["response"] == ref["choices"][0]["text"]
+    # as many tokens as in-process llama.cpp: 24, or fewer where the model ends its answer first (it does on some
+    # CPUs, whose kernels round the q8_0 cache's dot products differently: 19 on an AVX2-only Zen 3)
+    assert body["eval_count"] == ref["usage"]["completion_tokens"]
+    assert body["done_reason"] == ref["choices"][0]["finish_reason"]
