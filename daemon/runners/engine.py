@@ -339,13 +339,6 @@ class Engine:
         while True:
             with self._cv:
                 while not self._closed and not self._calls and not self.waiting and not any(s.seq for s in self.slots):
-                    if self._out:  # nothing held past the work that made it
-                        self._cv.release()
-                        try:
-                            self._flush(now=True)
-                        finally:
-                            self._cv.acquire()
-                        continue
                     self._cv.wait()
                 if self._closed:
                     break
@@ -366,13 +359,7 @@ class Engine:
                 self._fail_started(str(exc), exc.status)
             except Exception as exc:  # noqa: BLE001 - report to every active request and keep serving
                 self._fail_started(f"llama.cpp error: {exc}", 500)
-            # tokens are held (``stream_interval``) only when the next iteration is a plain decoding step: never
-            # behind a prompt's chunk, an image, a call or an admission, which take far longer
-            self._flush(
-                now=bool(
-                    self._calls or self.waiting or any(s.seq and (s.seq.pending or s.seq.rest) for s in self.slots)
-                )
-            )
+            self._flush()
             if self._first_token:
                 self._first_token = False
                 if self.first_token_pause > 0:
@@ -406,18 +393,33 @@ class Engine:
             self._urgent = True
         self._out.append(msg)
 
-    def _flush(self, *, now: bool = False) -> None:
+    def _flush(self) -> None:
         """Send what the iterations produced in one go: one write and one wake-up of the daemon per step, not one
         per sequence (on 2 cores each wake-up takes a core from ``llama_decode``), and with ``stream_interval`` set,
         one per interval while only running sequences' next tokens are waiting."""
         if not self._out:
             return
         at = time.monotonic()
-        if not (now or self._urgent) and at - self._sent_at < self.stream_interval:
+        if not self._urgent and at - self._sent_at < self.stream_interval and self._plain_step_next():
             return
         out, self._out = self._out, []
         self._urgent, self._sent_at = False, at
         self._emit_many(out)
+
+    def _plain_step_next(self) -> bool:
+        """The next iteration only decodes running sequences' next tokens. Tokens are held for ``stream_interval``
+        only then: never behind a call, an admission, a prompt's chunk or an image, which take far longer, nor while
+        the engine goes idle."""
+        if self._calls or self.waiting:
+            return False
+        running = False
+        for slot in self.slots:
+            seq = slot.seq
+            if seq is not None:
+                if seq.pending or seq.rest:
+                    return False
+                running = True
+        return running
 
     def _admit(self) -> None:
         """Give waiting requests free slots, reusing the longest cached prefix (caller holds the lock)."""

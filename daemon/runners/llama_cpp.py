@@ -201,6 +201,7 @@ class Runner:
             lc.llama_set_adapters_lora(
                 self.context.ctx, (lc.llama_adapter_lora_p_ctypes * 1)(adapter), 1, (ctypes.c_float * 1)(1.0)
             )
+        offloaded = self._fully_offloaded()
         self.engine = Engine(
             lc,
             self.context.ctx,
@@ -211,23 +212,15 @@ class Runner:
             emit=self.chan.send_many,
             cache_bytes=int(spec.get("prompt_cache") or 0),
             before_first_decode=lambda: _inject_fault("first-decode", spec),
-            first_token_pause=0.0 if self._fully_offloaded() else FIRST_TOKEN_PAUSE,
-            stream_interval=STREAM_INTERVAL if self._takes_every_core(threads) else 0.0,
+            first_token_pause=0.0 if offloaded else FIRST_TOKEN_PAUSE,
+            # llama.cpp computing with a thread on every core: each frame that wakes the daemon stalls a decode
+            stream_interval=STREAM_INTERVAL if not offloaded and threads >= _usable_cores() else 0.0,
         )
         # on the engine's thread, as every decode after them (Engine.call)
         self.engine.call(lambda: self._warm_up(self.context.ctx, self.model))
         if spec.get("projector_path"):
             self.engine.call(lambda: self._load_projector(str(spec["projector_path"]), threads, flash))
             self.engine.set_media(self._eval_media)
-
-    def _takes_every_core(self, threads: int) -> bool:
-        """llama.cpp computes on the CPU with a thread on every core this process may use: any other process that
-        wakes (the daemon, for each frame) then takes a core from a decode in progress."""
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):  # macOS has no affinity: every core
-            cores = os.cpu_count() or 1
-        return not self._fully_offloaded() and threads >= cores
 
     def _fully_offloaded(self) -> bool:
         """Every layer on a GPU: llama.cpp's CPU threads then wait on the device instead of computing."""
@@ -626,6 +619,14 @@ class Runner:
         except Exception as exc:  # noqa: BLE001 - report and keep serving
             traceback.print_exc()
             self.chan.send({"id": rid, "type": "error", "message": f"llama.cpp error: {exc}", "status": 500})
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS has no affinity: every core
+        return os.cpu_count() or 1
 
 
 def _watch_parent(ppid: int) -> None:
