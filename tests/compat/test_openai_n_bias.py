@@ -50,25 +50,35 @@ def busy_slots(d: Daemon) -> int:
 
 
 # -- n --------------------------------------------------------------------------------------------------------
-def test_n_greedy_choices_equal_the_single_answer_and_run_side_by_side(client: openai.OpenAI) -> None:
-    kw: dict[str, Any] = {"model": "smol", "messages": ASK, "max_tokens": 24, "logit_bias": SPECIAL, **GREEDY}
-    client.chat.completions.create(**kw)  # loaded and warm: the timings below compare decoding only
-    t0 = time.perf_counter()
-    one = client.chat.completions.create(**kw)
-    t_one = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    three = client.chat.completions.create(n=3, **kw)
-    t_three = time.perf_counter() - t0
+def test_n_greedy_choices_equal_the_single_answer_and_run_side_by_side(
+    client: openai.OpenAI, v1_daemon: Daemon
+) -> None:
+    kw: dict[str, Any] = {"model": "smol", "messages": ASK, "max_tokens": 48, "logit_bias": SPECIAL, **GREEDY}
+    one = client.chat.completions.create(**kw)  # also loads the model: the watcher below sees only the n=3 request
+    # decoded together in one batch, not one after the other: while the whole (non-streamed) reply is being made,
+    # the runner holds the three choices in three busy slots at once (a wall-clock ratio was flaky on shared CPUs)
+    done = threading.Event()
+    most = [0]
+
+    def watch() -> None:
+        while not done.is_set():
+            most[0] = max(most[0], busy_slots(v1_daemon))
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        three = client.chat.completions.create(n=3, **kw)
+    finally:
+        done.set()
+        watcher.join(timeout=30)
     assert [c.index for c in three.choices] == [0, 1, 2]
     assert [c.message.content for c in three.choices] == [one.choices[0].message.content] * 3
     assert all(c.finish_reason == "length" for c in three.choices)
     assert one.usage and three.usage
     assert three.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
-    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens == 3 * 24
-    # decoded together in one batch, not one after the other (which would take more than 3 times as long; about
-    # twice as long on 2 shared CPU cores): loosely, as the machine is shared. The streamed test below proves the
-    # batching by the runner's busy slots.
-    assert t_three < 3.0 * t_one, (t_one, t_three)
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens == 3 * 48
+    assert most[0] >= 3, most[0]
 
 
 def test_n_streamed_is_batched_and_ends_with_usage(client: openai.OpenAI, v1_daemon: Daemon) -> None:
