@@ -76,9 +76,12 @@ FIRST_TOKEN_PAUSE = 0.0015
 COMPACT_MIN_LEFT = 16
 # When llama.cpp's threads take every core, a running sequence's tokens are sent to the daemon at most this often (a
 # first piece of text, an end and an error go at once): each frame wakes the daemon, which takes a core from the
-# decode in progress and stalls all its threads at the next barrier (~0.45 ms a frame for SmolLM2 on 2 CPU cores,
-# 6-7% of a token). Tokens then reach a stream in groups of two or three, within one frame of a 60 Hz display.
-STREAM_INTERVAL = 0.02
+# decode in progress and stalls all its threads at the next barrier, and each line it writes wakes the client too.
+# A group travels as one piece of text (``merge_pieces``): one line for the daemon to make and the client to read.
+# Only tokens faster than 20 a second are grouped (a slower model's come one by one, as made); for SmolLM2 on 2 CPU
+# cores (~100 tokens/s) the daemon's CPU per token went from 0.31-0.37 ms (20 ms, a line per token) to 0.16 ms, the
+# client's from 0.21 to 0.10 ms (docs/benchmarks.md, issue 19).
+STREAM_INTERVAL = 0.05
 
 
 @dataclass
@@ -404,7 +407,7 @@ class Engine:
             return
         out, self._out = self._out, []
         self._urgent, self._sent_at = False, at
-        self._emit_many(out)
+        self._emit_many(merge_pieces(out) if len(out) > 1 else out)
 
     def _plain_step_next(self) -> bool:
         """The next iteration only decodes running sequences' next tokens. Tokens are held for ``stream_interval``
@@ -888,6 +891,27 @@ class Engine:
             slot.seq = None
             slot.last_used = time.monotonic()
         seq.slot = None
+
+
+def merge_pieces(out: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A stream's plain pieces of text in one send as one message, in order: what the daemon forwards as one line
+    (one event through its parsers, one chunk on the wire) instead of one per token. A piece with logprobs stays
+    a message of its own (a token's logprobs belong to it), and nothing joins a piece across another message of
+    its stream (an end, an error)."""
+    merged: list[dict[str, Any]] = []
+    open_at: dict[Any, int] = {}  # stream id -> index in ``merged`` of its last plain piece, while it may grow
+    for msg in out:
+        rid = msg.get("id")
+        if msg.get("type") == "token" and "logprobs" not in msg:
+            at = open_at.get(rid)
+            if at is not None:
+                merged[at]["text"] += msg["text"]
+                continue
+            open_at[rid] = len(merged)
+        else:
+            open_at.pop(rid, None)
+        merged.append(msg)
+    return merged
 
 
 def check_token_ids(tokens: list[int], n_vocab: int) -> int | None:

@@ -80,7 +80,8 @@ def test_api_chat_splits_thinking_whole_and_streamed(client: ollama.Client) -> N
     parts = list(client.chat(model="smol-think", messages=messages, options=OPTS, think=True, stream=True))
     thinking = [p.message.thinking for p in parts if p.message.thinking]
     content = [p.message.content for p in parts if p.message.content]
-    assert len(thinking) > 3 and "".join(thinking) == THOUGHT  # streamed piece by piece
+    # streamed in pieces, not held to the end (on the CPU a piece may carry several tokens: STREAM_INTERVAL)
+    assert len(thinking) > 1 and "".join(thinking) == THOUGHT
     assert "".join(content) == ANSWER
     _no_tags(*thinking, *content)
     assert parts[-1].done and parts[-1].eval_count
@@ -135,7 +136,7 @@ def test_openai_reasoning(v1_daemon: Daemon) -> None:
     chunks = list(oai.chat.completions.create(**kw, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     reasoning = [(d.model_extra or {}).get("reasoning") or "" for d in deltas]
-    assert sum(1 for x in reasoning if x) > 3 and "".join(reasoning) == THOUGHT
+    assert sum(1 for x in reasoning if x) > 1 and "".join(reasoning) == THOUGHT
     assert "".join(d.content or "" for d in deltas) == ANSWER
     off = oai.chat.completions.create(**kw, reasoning_effort="none")  # type: ignore[arg-type]
     assert not (off.choices[0].message.model_extra or {}).get("reasoning")
@@ -179,7 +180,7 @@ def test_anthropic_thinking_blocks(v1_daemon: Daemon) -> None:
             if event.type == "content_block_delta":
                 kinds.append(event.delta.type)
         final = stream.get_final_message()
-    assert kinds.count("thinking_delta") > 3 and kinds.index("text_delta") > kinds.index("thinking_delta")
+    assert kinds.count("thinking_delta") > 1 and kinds.index("text_delta") > kinds.index("thinking_delta")
     assert final.content[0].thinking == THOUGHT and final.content[1].text == ANSWER  # type: ignore[union-attr]
 
 
@@ -209,7 +210,7 @@ def test_responses_reasoning_items(v1_daemon: Daemon) -> None:
     assert r.output[0].summary[0].text == THOUGHT and r.output_text == ANSWER  # type: ignore[union-attr]
     events = list(oai.responses.create(**kw, stream=True))
     deltas = [e.delta for e in events if e.type == "response.reasoning_summary_text.delta"]
-    assert len(deltas) > 3 and "".join(deltas) == THOUGHT
+    assert len(deltas) > 1 and "".join(deltas) == THOUGHT  # streamed in pieces (on the CPU, a few tokens each)
     assert events[-1].type == "response.completed"
 
 
@@ -228,7 +229,7 @@ def test_content_still_streams_when_tools_are_given(client: ollama.Client) -> No
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     parts = list(client.chat(model="smol-hermes", messages=messages, tools=[WEATHER], options=OPTS, stream=True))
     texts = [p.message.content for p in parts if p.message.content]
-    assert len(texts) > 3 and not any(p.message.tool_calls for p in parts)  # token by token, not one chunk
+    assert len(texts) > 1 and not any(p.message.tool_calls for p in parts)  # streamed, not one chunk at the end
 
 
 def test_an_undeclared_tool_is_not_a_tool_call(client: ollama.Client) -> None:

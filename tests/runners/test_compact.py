@@ -18,10 +18,11 @@ def request(runner: Any, rid: int, prompt: str, tokens: int) -> None:
     runner.handle({"op": "generate", "id": rid, "req": {"prompt": prompt, "params": params}})
 
 
-def tokens_of(chan: Chan, rid: int) -> tuple[list[str], str]:
-    pieces = [m["text"] for m in chan.msgs if m.get("id") == rid and m.get("type") == "token"]
+def tokens_of(chan: Chan, rid: int) -> tuple[str, str]:
+    """The request's text (its pieces joined: how it is split into messages depends on timing) and end."""
+    text = "".join(m["text"] for m in chan.msgs if m.get("id") == rid and m.get("type") == "token")
     done = [m for m in chan.msgs if m.get("id") == rid and m.get("type") == "done"]
-    return pieces, done[0].get("done_reason", "") if done else ""
+    return text, done[0].get("done_reason", "") if done else ""
 
 
 def wait_done(chan: Chan, rid: int, timeout: float = 60) -> None:

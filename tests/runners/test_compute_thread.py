@@ -116,6 +116,7 @@ def test_a_pause_after_first_tokens_only(tiny_gguf: Path) -> None:
     try:
         assert engine.first_token_pause == FIRST_TOKEN_PAUSE > 0
         engine.first_token_pause = 0.5  # long enough to see through any scheduling noise
+        engine.stream_interval = 0.0  # a frame per step, to time each token
         generate(runner, chan, 1, "hello there", tokens=6)
         at = [t for m, t in zip(chan.msgs, chan.times, strict=True) if m.get("type") == "token"]
         assert len(at) == 6

@@ -1,7 +1,8 @@
 """When llama.cpp's threads take every core, a running sequence's tokens go to the daemon in groups, at most once per
 ``stream_interval`` (each frame wakes the daemon, which takes a core from the decode in progress). What must not
-change: a stream's first text goes at once (its time to first token), an end goes at once, and the tokens, their
-order and the final counts are those of the same request sent one frame per step."""
+change: a stream's first text goes at once (its time to first token), an end goes at once, and the text, its order
+and the final counts are those of the same request sent one frame per step. A stream's plain pieces held together
+travel as one message (one line for the daemon to forward); pieces with logprobs stay one per token."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.runners.base import LoadSpec
+from daemon.runners.engine import merge_pieces
 from tests.runners.test_compute_thread import Chan, load
 
 
@@ -48,18 +50,24 @@ def texts(chan: Chan) -> list[str]:
     return [m["text"] for m in chan.msgs if m.get("type") == "token"]
 
 
+def text(chan: Chan) -> str:
+    return "".join(texts(chan))
+
+
 def test_tokens_are_grouped_but_the_first_and_the_end_go_at_once(tiny_gguf: Path) -> None:
     tokens = 48
     each_step = run(tiny_gguf, 0.0, tokens)
     grouped = run(tiny_gguf, 5.0, tokens)  # far longer than the whole generation of the tiny model takes
 
-    assert texts(grouped) == texts(each_step) and len(texts(grouped)) > 1
+    assert text(grouped) == text(each_step) and len(texts(each_step)) > 2
     done = [m for m in grouped.msgs if m.get("type") == "done"]
     assert len(done) == 1 and done[0]["eval_count"] == tokens
     assert done[0]["eval_count"] == [m for m in each_step.msgs if m.get("type") == "done"][0]["eval_count"]
-    # the first frame carries the first text alone; everything after it was held and went with the end
+    # the first frame carries the first text alone; everything after it was held and went with the end, as one
+    # piece of text
     assert [m["type"] for m in grouped.frames[0]] == ["token"]
-    assert len(grouped.frames) == 2 and grouped.frames[-1][-1]["type"] == "done"
+    assert len(grouped.frames) == 2 and [m["type"] for m in grouped.frames[-1]] == ["token", "done"]
+    assert texts(grouped) == [texts(each_step)[0], "".join(texts(each_step)[1:])]
     # without an interval, a frame per step
     assert len(each_step.frames) >= len(texts(each_step))
 
@@ -69,3 +77,37 @@ def test_a_short_interval_still_sends_while_the_sequence_runs(tiny_gguf: Path) -
     token_frames = [f for f in grouped.frames if any(m["type"] == "token" for m in f)]
     assert len(token_frames) > 2  # not all held to the end
     assert [m["eval_count"] for m in grouped.msgs if m.get("type") == "done"] == [120]
+
+
+def test_merge_pieces_joins_a_streams_plain_pieces_in_order_and_nothing_else() -> None:
+    def tok(rid: int, text: str, **extra: Any) -> dict[str, Any]:
+        return {"id": rid, "type": "token", "text": text, **extra}
+
+    lp = {"token": "c", "logprob": -0.5}
+    out = [
+        tok(1, "a"),
+        tok(2, "x"),
+        tok(1, "b"),
+        tok(2, "y"),
+        tok(1, "c", logprobs=lp),  # a token's logprobs stay with it
+        tok(1, "d"),
+        tok(1, "e"),
+        {"id": 2, "type": "done", "eval_count": 2},
+        {"id": 3, "type": "error", "message": "no"},
+        tok(3, "z"),
+    ]
+    assert merge_pieces(out) == [
+        tok(1, "ab"),
+        tok(2, "xy"),
+        tok(1, "c", logprobs=lp),
+        tok(1, "de"),
+        {"id": 2, "type": "done", "eval_count": 2},
+        {"id": 3, "type": "error", "message": "no"},
+        tok(3, "z"),
+    ]
+    # an end is never overtaken: a piece after another message of its stream starts a new message after it
+    assert merge_pieces([tok(1, "a"), {"id": 1, "type": "done"}, tok(1, "b")]) == [
+        tok(1, "a"),
+        {"id": 1, "type": "done"},
+        tok(1, "b"),
+    ]
