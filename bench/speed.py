@@ -14,8 +14,9 @@ token (psutil) and what py-spy saw, grouped: ``llama_decode``, sampling, detoken
 runner's frames to the daemon (JSON encoding, pipe writes), the daemon's reading of them, its HTTP streaming.
 
 ``cpu`` starts each corral CONFIG (as ``ab`` takes them, default ``corral``) in turn and, at each load level, keeps
-that many greedy streamed completions going for ``--seconds``: the CPU time of the daemon and of the runner (llama.cpp's
-threads included) per generated token, and the tokens/s, ``--rounds`` times (no profiler attached).
+that many greedy streamed completions going for ``--seconds``: the CPU time of the daemon, of the runner (llama.cpp's
+threads included) and of the client (this process's load threads) per generated token, and the tokens/s,
+``--rounds`` times (no profiler attached).
 
 ``passes`` times one ``llama_decode`` in-process for several batch layouts over 16 KV streams (how llama.cpp's
 passes over consecutive sequence ids make scattered slots cost more).
@@ -352,6 +353,7 @@ def cpu(args: argparse.Namespace) -> None:
     if gguf is None:
         sys.exit("SmolLM2 is not cached: run scripts/fetch_smollm2.py")
     levels = [int(x) for x in args.streams.split(",")]
+    client = psutil.Process()  # the load's threads: what reading the streams costs an app
     for r in range(args.rounds):
         for name in args.configs:
             with tempfile.TemporaryDirectory() as tmp:
@@ -366,7 +368,8 @@ def cpu(args: argparse.Namespace) -> None:
                     )
                     for n in levels:
                         batching.load_test(server, n, args.tokens)  # warm this level up
-                        d0, r0, start_at, runs = cpu_seconds(daemon), cpu_seconds(runner), time.perf_counter(), 0
+                        d0, r0, c0 = cpu_seconds(daemon), cpu_seconds(runner), cpu_seconds(client)
+                        start_at, runs = time.perf_counter(), 0
                         while time.perf_counter() - start_at < args.seconds:
                             batching.load_test(server, n, args.tokens)
                             runs += 1
@@ -375,7 +378,8 @@ def cpu(args: argparse.Namespace) -> None:
                         print(
                             f"round {r + 1} {name} {n:2d} streams: daemon "
                             f"{1000 * (cpu_seconds(daemon) - d0) / generated:.3f} ms, runner "
-                            f"{1000 * (cpu_seconds(runner) - r0) / generated:.2f} ms CPU per token; "
+                            f"{1000 * (cpu_seconds(runner) - r0) / generated:.2f} ms, client (this process) "
+                            f"{1000 * (cpu_seconds(client) - c0) / generated:.3f} ms CPU per token; "
                             f"{generated / wall:.0f} tok/s",
                             flush=True,
                         )
