@@ -6,7 +6,8 @@ iteration, which matters for the ≥0.9× curl target (see ``bench/pull.py``). E
 uploads) goes through httpx in ``registry/remote.py``; both use the same TLS context, proxy variables, auth
 rules and redirect policy:
 
-* redirects are followed by hand and each target is checked by :class:`registry.remote.URLPolicy`;
+* redirects are followed by hand and each target is checked by :class:`registry.remote.URLPolicy`, and the
+  connection goes to the addresses that check judged (no second lookup a rebinding DNS server could answer);
 * ``Authorization`` is sent only to the registry's own origin, so a CDN behind a redirect never sees it;
 * a 401 from the registry is answered once (token or Basic), then the request is repeated.
 
@@ -40,7 +41,7 @@ import httpx
 
 from registry.digest import Digest
 from registry.errors import InsecureRegistry, RegistryNotFound, RegistryProtocolError, RegistryUnreachable
-from registry.remote import MAX_ERROR_BYTES, MAX_REDIRECTS, Origin, RegistryClient, error_text
+from registry.remote import MAX_ERROR_BYTES, MAX_REDIRECTS, Origin, RegistryClient, URLPolicy, error_text
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
@@ -269,18 +270,56 @@ def _proxy_auth(proxy: httpx.URL) -> dict[str, str]:
     return {"Proxy-Authorization": "Basic " + base64.b64encode(raw).decode()}
 
 
+def _pinned_connect(policy: URLPolicy, host: str) -> Any:
+    """``socket.create_connection`` for ``host``, to the addresses ``policy`` judged (never a second lookup)."""
+
+    def create_connection(
+        address: tuple[str, int], timeout: float | None = None, source_address: Any = None
+    ) -> socket.socket:
+        addresses = policy.connect_addresses(host)
+        if not addresses:
+            raise OSError(f"{host} does not resolve")
+        error: OSError | None = None
+        for ip in addresses:  # in the resolver's order, as socket.create_connection tries them
+            try:
+                return socket.create_connection((ip, address[1]), timeout, source_address)
+            except OSError as exc:
+                error = exc
+        assert error is not None
+        raise error
+
+    return create_connection
+
+
+class _PinnedHTTPConnection(http.client.HTTPConnection):
+    """An HTTP connection to the addresses the URL policy judged for its host; ``Host`` is still the name."""
+
+    def __init__(self, host: str, port: int, *, policy: URLPolicy, timeout: float) -> None:
+        super().__init__(host, port, timeout=timeout)
+        self._create_connection = _pinned_connect(policy, host)
+
+
+class _PinnedHTTPSConnection(http.client.HTTPSConnection):
+    """The same over TLS: the socket goes to a checked address, SNI and the certificate check use the name."""
+
+    def __init__(self, host: str, port: int, *, policy: URLPolicy, timeout: float, context: ssl.SSLContext) -> None:
+        super().__init__(host, port, timeout=timeout, context=context)
+        self._create_connection = _pinned_connect(policy, host)
+
+
 def connect(
-    url: httpx.URL, timeout: float, context: ssl.SSLContext
+    url: httpx.URL, timeout: float, context: ssl.SSLContext, policy: URLPolicy
 ) -> tuple[http.client.HTTPConnection, str, dict[str, str]]:
     """A connection for ``url`` (through a proxy if the environment names one), the request target, and extra
-    headers for the proxy."""
+    headers for the proxy. A direct connection goes to the addresses ``policy`` checked for the URL's host (DNS
+    rebinding cannot move it); through a proxy, the proxy resolves the name."""
     port = url.port or (443 if url.scheme == "https" else 80)
     target = url.raw_path.decode("ascii")
     proxy = _proxy_for(url)
     if proxy is None:
         if url.scheme == "https":
-            return http.client.HTTPSConnection(url.host, port, timeout=timeout, context=context), target, {}
-        return http.client.HTTPConnection(url.host, port, timeout=timeout), target, {}
+            return _PinnedHTTPSConnection(url.host, port, policy=policy, timeout=timeout, context=context), target, {}
+        return _PinnedHTTPConnection(url.host, port, policy=policy, timeout=timeout), target, {}
     proxy_port = proxy.port or (443 if proxy.scheme == "https" else 80)
     conn: http.client.HTTPConnection
     if url.scheme == "https":
@@ -314,7 +353,7 @@ def open_range(
     current = client.policy.check(str(url))
     answered = False
     for _hop in range(MAX_REDIRECTS + 1):
-        conn, target, extra = connect(current, timeout, client.ssl)
+        conn, target, extra = connect(current, timeout, client.ssl, client.policy)
         headers = {
             "User-Agent": client.user_agent,
             "Accept-Encoding": "identity",

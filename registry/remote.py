@@ -10,6 +10,11 @@ hostile:
   than the registry's own origin is looked up first: a name that does not resolve is refused, and every address
   it resolves to must be allowed: never from a registry on a global address to a non-global one (loopback,
   private, 100.64.0.0/10, unique-local...), and never to link-local addresses at all.
+* A name is looked up once for its check, and the connection goes to the addresses that were checked (TLS still
+  verifies the certificate for the name, and ``Host`` stays the name): a DNS server that answers a public address
+  to the check and 127.0.0.1 to the connection (DNS rebinding) cannot steer us inside. The registry's own name is
+  looked up once per client, so the address its redirects are judged by is the address we talk to. (Through a
+  proxy named by ``HTTPS_PROXY``/``HTTP_PROXY`` the proxy resolves names; that is the proxy's policy.)
 * Credentials (Basic, or a Bearer token) are sent only to the registry's own origin (scheme, host and port, with
   default ports normalised): never after a redirect to another host or port.
 * A Bearer challenge's token realm must be the registry's own origin (scheme, host and port); otherwise no request
@@ -31,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpcore
 import httpx
 
 from registry.credentials import Credentials, lookup
@@ -93,9 +99,10 @@ class Origin:
 
 def _resolve(host: str) -> list[str]:
     try:
-        return [str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)]
+        found = [str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)]
     except (OSError, UnicodeError):
         return []
+    return list(dict.fromkeys(found))  # in order, each once
 
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -103,20 +110,32 @@ Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 _NAT64 = (ipaddress.IPv6Network("64:ff9b::/96"), ipaddress.IPv6Network("64:ff9b:1::/48"))
 
 
-def _addresses(host: str, resolve: Resolver) -> list[Address]:
-    """The addresses ``host`` stands for: itself if it is an IP literal, else what it resolves to ([] if nothing)."""
-    h = host.strip("[]").lower()
+def _literal(host: str) -> Address | None:
     try:
-        return [ipaddress.ip_address(h)]
+        return ipaddress.ip_address(host.strip("[]"))
     except ValueError:
-        pass
+        return None
+
+
+def _lookup(host: str, resolve: Resolver) -> list[tuple[str, Address]]:
+    """What ``host`` (a name, not an IP literal) resolves to: each address as the resolver gave it (an IPv6
+    scope kept, for connecting) and parsed (for judging); anything that is not an address is dropped."""
     out = []
-    for addr in resolve(h):
+    for addr in resolve(host):
         try:
-            out.append(ipaddress.ip_address(addr.split("%")[0]))
+            out.append((addr, ipaddress.ip_address(addr.split("%")[0])))
         except ValueError:
             continue
     return out
+
+
+def _addresses(host: str, resolve: Resolver) -> list[Address]:
+    """The addresses ``host`` stands for: itself if it is an IP literal, else what it resolves to ([] if nothing)."""
+    h = host.strip("[]").lower()
+    ip = _literal(h)
+    if ip is not None:
+        return [ip]
+    return [a for _raw, a in _lookup(h, resolve)]
 
 
 def _embedded(ip: Address) -> list[Address]:
@@ -150,19 +169,46 @@ def _local_name(host: str) -> bool:
 
 @dataclass
 class URLPolicy:
-    """Where a registry may send us: the checks applied to every redirect target and upload location."""
+    """Where a registry may send us: the checks applied to every redirect target and upload location, and the
+    addresses connections may go to (:meth:`connect_addresses`: the ones a check saw, never a second lookup)."""
 
     registry: Origin
     insecure: bool
     resolve: Resolver = field(default=_resolve)
     _registry_internal: bool | None = None
     _registry_link_local: bool | None = None
+    _pins: dict[str, list[str]] = field(default_factory=dict)
+    _pins_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _pin(self, host: str, found: list[tuple[str, Address]]) -> None:
+        with self._pins_lock:
+            self._pins[host] = [raw for raw, _ip in found]
+
+    def _pinned(self, host: str) -> list[tuple[str, Address]]:
+        """A name's pinned addresses, looked up (and pinned) the first time: used for the registry's own name."""
+        with self._pins_lock:
+            pinned = self._pins.get(host)
+        if pinned is not None:
+            return [(raw, ipaddress.ip_address(raw.split("%")[0])) for raw in pinned]
+        found = _lookup(host, self.resolve)
+        if found:
+            self._pin(host, found)
+        return found
 
     def _classify_registry(self) -> None:
         if self._registry_internal is None:
-            addrs = _addresses(self.registry.host, self.resolve)
-            self._registry_internal = _local_name(self.registry.host) or any(_internal(a) for a in addrs)
+            host = self.registry.host
+            ip = _literal(host)
+            addrs = [ip] if ip is not None else [a for _raw, a in self._pinned(host)]
+            self._registry_internal = _local_name(host) or any(_internal(a) for a in addrs)
             self._registry_link_local = any(_link_local(a) for a in addrs)
+
+    def connect_addresses(self, host: str) -> list[str]:
+        """Where a connection to ``host`` may go: the IP itself for a literal, else the addresses the last check of
+        that name found (the registry's name: its one lookup). [] when the name does not resolve."""
+        if _literal(host) is not None:
+            return [host.strip("[]")]
+        return [raw for raw, _ip in self._pinned(host.lower())]
 
     def check(self, url: str) -> httpx.URL:
         """The parsed URL, or RegistryProtocolError saying why the registry may not send us there.
@@ -190,7 +236,15 @@ class URLPolicy:
         if target == self.registry:
             return u
         self._classify_registry()
-        addrs = _addresses(target.host, self.resolve)
+        ip = _literal(target.host)
+        found: list[tuple[str, Address]] = []
+        if ip is not None:
+            addrs = [ip]
+        elif target.host == self.registry.host:  # the registry's name on another port: judged by its one lookup
+            addrs = [a for _raw, a in self._pinned(target.host)]
+        else:  # looked up now; once allowed, connections to it go where this answer says, and nowhere else
+            found = _lookup(target.host, self.resolve)
+            addrs = [a for _raw, a in found]
         if any(_link_local(a) for a in addrs) and not self._registry_link_local:
             raise RegistryProtocolError(
                 f"registry {self.registry.host} redirected to a link-local address ({target.host}); refused"
@@ -203,7 +257,61 @@ class URLPolicy:
             raise RegistryProtocolError(
                 f"registry {self.registry.host} redirected to {target.host}, a name that does not resolve; refused"
             )
+        if found:
+            self._pin(target.host, found)
         return u
+
+
+class _PinnedBackend(httpcore.SyncBackend):
+    """httpcore's socket backend, connecting to the addresses :class:`URLPolicy` judged instead of looking the name
+    up again. httpcore then starts TLS with the URL's host as SNI and verifies the certificate for that name, and
+    the request's ``Host`` is the name, so only the address is pinned."""
+
+    def __init__(self, policy: URLPolicy) -> None:
+        self.policy = policy
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        addresses = self.policy.connect_addresses(host)
+        if not addresses:
+            raise httpcore.ConnectError(f"{host} does not resolve")
+        error: Exception | None = None
+        for address in addresses:  # in the resolver's order, as socket.create_connection tries them
+            try:
+                return super().connect_tcp(
+                    address, port, timeout=timeout, local_address=local_address, socket_options=socket_options
+                )
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
+                error = exc
+        assert error is not None
+        raise error
+
+
+def pin_connections(client: httpx.Client, policy: URLPolicy, context: ssl.SSLContext, limits: httpx.Limits) -> None:
+    """Make ``client``'s direct connections (those no proxy takes) go only to the addresses ``policy`` judged.
+
+    httpx has no public hook for the connecting side of its transport, so the default transport's connection pool
+    is replaced by an identical one whose network backend is :class:`_PinnedBackend`; proxied requests (httpx's
+    environment proxy mounts) are left as they are: a proxy resolves names itself."""
+    direct = getattr(client, "_transport", None)
+    if not isinstance(getattr(direct, "_pool", None), httpcore.ConnectionPool):
+        raise RuntimeError(
+            f"httpx {httpx.__version__} has no connection pool where corral expects one; cannot pin registry "
+            "connections to checked addresses (install an httpx version from pyproject.toml)"
+        )
+    direct._pool = httpcore.ConnectionPool(  # type: ignore[union-attr]
+        ssl_context=context,
+        max_connections=limits.max_connections,
+        max_keepalive_connections=limits.max_keepalive_connections,
+        keepalive_expiry=limits.keepalive_expiry,
+        network_backend=_PinnedBackend(policy),
+    )
 
 
 # -- challenges and tokens ---------------------------------------------------------------------------------------
@@ -321,14 +429,17 @@ class RegistryClient:
         self._users_lock = threading.Lock()
         self.ssl = ssl_context()
         self.user_agent = user_agent()
+        limits = httpx.Limits(max_connections=16, max_keepalive_connections=8)
         self.http = httpx.Client(
             verify=self.ssl,
             follow_redirects=False,
             timeout=httpx.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT),
             headers={"User-Agent": self.user_agent, "Accept-Encoding": "identity"},
-            limits=httpx.Limits(max_connections=16, max_keepalive_connections=8),
+            limits=limits,
             transport=transport,
         )
+        if transport is None:  # a test's own transport makes no connections
+            pin_connections(self.http, self.policy, self.ssl, limits)
 
     # -- lifetime ------------------------------------------------------------------------------------------------
     def retain(self) -> RegistryClient:
