@@ -421,7 +421,10 @@ class _TooBig(Exception):
 #   a {% set %} block or a macro's output) is measured, as the bytes it takes with everything it refers to counted
 #   each time it is referred to, and may not pass JINJA_MAX_VALUE; the calls that can build far more than they are
 #   given (``*``, ``%``, ``str.format``, ``ljust``, ``replace``, ``join``, ``center``, ``indent``, ``batch``...)
-#   are estimated *before* they run, so no single step allocates past that bound;
+#   are estimated *before* they run, so no single step allocates past that bound: whatever they iterate (a range,
+#   a dict or its views, a set, a generator) is measured as the items they will take from it, and the text of a
+#   value that is not a string (printing it, ``~``, ``string``, ``tojson``, ``%r``) with every string in it quoted
+#   and escaped in the worst way, as wide as its widest character;
 # * everything built during one render is charged against JINJA_MAX_ALLOC, so values kept alive stay under it too;
 # * with every value bounded, no single C-level step can run long while holding the GIL, and the tracer stops
 #   Python-level loops after ``timeout`` seconds; filters whose regular expressions are quadratic (striptags,
@@ -513,6 +516,101 @@ def _flat(v: Any, cap: int = JINJA_MAX_VALUE) -> int:
     return 0  # not reached
 
 
+def _str_text(s: str) -> int:
+    """Characters ``repr(s)`` or its JSON may take: escapes take up to 6 characters for an ASCII one (``\\u0001``)
+    and 12 for any other (a surrogate pair); they are ASCII, so the text is no wider than ``s``."""
+    if s.isascii():
+        if s.isprintable():
+            return len(s) + 2 + s.count("\\") + s.count('"') + s.count("'")
+        return 6 * len(s) + 2
+    return 12 * len(s) + 2
+
+
+def _json_str(s: str) -> int:
+    """Bytes ``repr(s)`` or ``tojson(s)`` may build."""
+    return _str_text(s) * _kind(s)
+
+
+def _text(v: Any, cap: int = JINJA_MAX_VALUE) -> int:
+    """About the bytes of the text of ``v`` (``str()``, ``repr()``, ``tojson``: what printing it, ``~``, the string
+    filter or ``%s`` builds): a string's own bytes; anything else written out with every string quoted and escaped
+    in the worst way, and as wide as its widest character. Like :func:`_flat`, every reference counts (shared or
+    cyclic ones too), and counting stops once past ``cap``."""
+    if isinstance(v, str):
+        return len(v) * _kind(v)
+    if isinstance(v, (int, float, type(None))):
+        return 3 * sys.getsizeof(v)  # an int's digits: at most ~2.5 bytes per byte of it
+    chars, wide, visits = 0, 1, 0
+    stack: list[Any] = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            chars += _str_text(x) + 2
+            if not x.isascii():
+                wide = 4
+        elif isinstance(x, (bytes, bytearray)):
+            chars += 4 * len(x) + 4
+        elif isinstance(x, (int, float, type(None))):
+            chars += 3 * sys.getsizeof(x) + 2
+        else:
+            view = isinstance(x, (collections.abc.KeysView, collections.abc.ValuesView, collections.abc.ItemsView))
+            kids = tuple(x) if view else _children(x)  # a dict view prints its items
+            if kids is None:
+                chars += 64
+                continue
+            visits += 1
+            if visits > _MAX_ITEMS:  # millions of references (or a cycle): far more than a prompt prints
+                return cap + 1
+            chars += 4 + 4 * len(kids)
+            stack.extend(kids)
+        if chars * wide > cap:
+            break
+    return chars * wide
+
+
+def _elements(v: Any) -> list[Any] | tuple[Any, ...] | str | None:
+    """What a filter or method will iterate, as a sequence that can be measured before anything is built from it:
+    lists, tuples and strings as they are; any other iterable (a range, a dict or one of its views, a set, a
+    generator) as a bounded list of its items; None for a value that is not iterable."""
+    if isinstance(v, (list, tuple, str)):
+        return v
+    if isinstance(v, collections.abc.Iterator):
+        return _materialize(v)
+    if not isinstance(v, collections.abc.Iterable):
+        return None
+    if isinstance(v, collections.abc.Sized):  # a transient list of references, to be measured (not charged)
+        if len(v) > _MAX_ITEMS:
+            raise _TooBig(f"a sequence in the template has more than {_MAX_ITEMS} items")
+        return list(v)
+    return _materialize(iter(v))
+
+
+def _joined(items: Sequence[Any], sep: str) -> int:
+    """Bytes ``sep.join(map(str, items))`` builds, counted before it is built."""
+    n = len(items)
+    wide = _kind(sep)
+    kinds = set(map(type, items))
+    if isinstance(items, str) or kinds <= {str}:  # counted in C: the common case
+        chars = sum(map(len, items))
+        if not all(map(str.isascii, items)):
+            wide = 4
+    elif kinds <= {int, float, bool, type(None)}:  # a range's, counted in C too
+        chars = 3 * sum(map(sys.getsizeof, items))
+    else:
+        chars, step = 0, len(sep)
+        for x in items:  # stops as soon as the bound is passed
+            if type(x) is str:
+                chars += len(x) + step
+                if not x.isascii():
+                    wide = 4
+            else:
+                chars += _text(x, JINJA_MAX_VALUE + 1) + step
+            if chars > JINJA_MAX_VALUE:
+                return chars
+        return chars * wide
+    return (chars + n * len(sep)) * wide
+
+
 def _refuse(what: str) -> _TooBig:
     return _TooBig(f"{what} would build a value larger than {JINJA_MAX_VALUE >> 20} MiB")
 
@@ -557,6 +655,7 @@ def _materialize(value: Any) -> Any:
     return _checked(out, "a sequence")
 
 
+_REPR_CONVERSION = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(?:\*|\d+)?(?:\.(?:\*|\d+))?[ra]|![ra]")
 _PCT = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
 _DIGITS = re.compile(r"\d+")
 
@@ -569,7 +668,9 @@ def _format_estimate(fmt: str, values: Sequence[Any], *, percent: bool) -> int:
     """An upper bound on the bytes ``fmt % values`` or ``fmt.format(*values)`` builds: the format, each field as
     large as the largest value, each width and precision in full (and the integers given, where a width is taken
     from the values)."""
-    widest = max((_flat(v, JINJA_MAX_VALUE + 1) for v in values), default=0)
+    widest = max((_text(v, JINJA_MAX_VALUE + 1) for v in values), default=0)
+    if _REPR_CONVERSION.search(fmt):  # %r, %a, {!r}, {!a}: a string quoted and escaped, up to 12 characters each
+        widest = max((_json_str(v) if isinstance(v, str) else 0 for v in values), default=widest) + widest
     if percent:
         specs = list(_PCT.finditer(fmt))
         fields = len(specs)
@@ -691,19 +792,20 @@ def _filter_estimate(name: str, v: Any, args: Sequence[Any], kwargs: Mapping[str
         old, new = str(_int_arg(args, kwargs, 0, "old", "")), str(_int_arg(args, kwargs, 1, "new", ""))
         count = _int_arg(args, kwargs, 2, "count", None)
         if s is None:  # replaced in the value's text
-            return _flat(v, JINJA_MAX_VALUE + 1) * (1 + len(new))
+            return _text(v, JINJA_MAX_VALUE + 1) * (1 + len(new))
         return _str_method_estimate(s, "replace", [old, new, count if isinstance(count, int) else -1], {})
     if name == "wordwrap" and s is not None:
         wrap = _int_arg(args, kwargs, 2, "wrapstring", None) or "\n"
         return (len(s) + (len(s) + 1) * len(str(wrap))) * _kind(s)
     if name == "join":
         d = str(_int_arg(args, kwargs, 0, "d", ""))
-        if s is not None:
-            return len(s) * (1 + len(d)) * 4
-        items = list(v) if isinstance(v, (dict, set, frozenset)) else v if isinstance(v, (list, tuple)) else None
+        items = _elements(v)  # a range, a dict view, a set...: measured as the items join will take from it
         if items is None:
             return None
-        return _flat(items, JINJA_MAX_VALUE + 1) + len(items) * len(d) * 4
+        attribute = _int_arg(args, kwargs, 1, "attribute", None)
+        if attribute is not None and not isinstance(items, str):
+            return _text(list(items), JINJA_MAX_VALUE + 1) + len(items) * len(d) * 4  # parts of the items
+        return _joined(items, d)
     if name in ("batch", "slice"):
         count = args[0] if args else kwargs.get("linecount" if name == "batch" else "slices", 0)
         if not isinstance(count, int) or count > (_MAX_ITEMS if name == "batch" else _MAX_SLICES):
@@ -720,7 +822,7 @@ def _filter_estimate(name: str, v: Any, args: Sequence[Any], kwargs: Mapping[str
             raise _TooBig("the sum filter adds numbers only")
         return None
     if name in ("string", "pprint", "tojson"):
-        return _flat(v, JINJA_MAX_VALUE + 1)
+        return _text(v, JINJA_MAX_VALUE + 1) if name != "tojson" or not isinstance(v, str) else _json_str(v)
     factor = {
         "escape": 6,
         "e": 6,
@@ -818,7 +920,7 @@ def _jinja_environment() -> Any:
 
     def finalize(value: Any) -> Any:  # what {{ }} prints: its text may not pass the bound either
         if not isinstance(value, str):
-            _expect(_flat(value, JINJA_MAX_VALUE + 1), "printing a value")
+            _expect(_text(value, JINJA_MAX_VALUE + 1), "printing a value")
         return value
 
     class Env(ImmutableSandboxedEnvironment):
@@ -868,16 +970,10 @@ def _jinja_environment() -> Any:
                 _expect(_format_estimate(owner, _format_values(args, kwargs), percent=False), what)
             elif isinstance(owner, str):
                 if name == "join" and args:
-                    args = (
-                        _materialize(args[0])
-                        if isinstance(args[0], collections.abc.Iterator)
-                        else list(args[0])
-                        if isinstance(args[0], (str, set, frozenset, dict))
-                        else args[0],
-                        *args[1:],
-                    )
-                    if isinstance(args[0], (list, tuple)):
-                        _expect(_flat(args[0], JINJA_MAX_VALUE + 1) + len(args[0]) * len(owner) * _kind(owner), what)
+                    items = _elements(args[0])  # a range, a dict view, a generator...: as the items join takes
+                    if items is not None:
+                        args = (items, *args[1:])
+                        _expect(_joined(items, owner), what)
                 else:
                     estimate = _str_method_estimate(owner, name, args, kwargs)
                     if estimate is not None:
@@ -892,9 +988,14 @@ def _jinja_environment() -> Any:
         @staticmethod
         def checked_join(join: Any, parts: tuple[Any, ...]) -> str:
             size = 0
+            wide = 1
             for part in parts:
-                size += len(part) * _kind(part) if isinstance(part, str) else _flat(part, JINJA_MAX_VALUE + 1)
-            _expect(size, "~")
+                if isinstance(part, str):
+                    size += len(part)
+                    wide = max(wide, _kind(part))
+                else:
+                    size += _text(part, JINJA_MAX_VALUE + 1)
+            _expect(size * wide, "~")
             return str(_checked(join(parts), "~"))
 
         @staticmethod
@@ -906,11 +1007,8 @@ def _jinja_environment() -> Any:
     ) -> str:
         if isinstance(indent, int) and indent > 64 or isinstance(indent, str) and len(indent) > 64:
             raise _TooBig("tojson's indent is larger than 64")
-        if indent:
-            _expect(
-                _flat(x, JINJA_MAX_VALUE + 1) * (2 + (indent if isinstance(indent, int) else len(indent))),
-                "the tojson filter",
-            )
+        text = _json_str(x) if isinstance(x, str) else _text(x, JINJA_MAX_VALUE + 1)
+        _expect(text * (1 + (indent if isinstance(indent, int) else len(indent) if indent else 0)), "the tojson filter")
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def raise_exception(message: str) -> None:

@@ -109,6 +109,8 @@ HOSTILE_JINJA = {
     "printf-width": "{{ ('%300000000d' % 1) | length }}",
     "ljust": "{{ 'a'.ljust(300000000) | length }}",
     "join": "{{ (['a' * 100000] * 3000) | join | length }}",
+    # join over a range (issue 25: grew the daemon by ~390 MB before the join was measured)
+    "join-range": "{% set sep = 'x' * 4000 %}{{ range(100000) | join(sep) | length }}",
     # the sandbox's own repetition guard (held before too)
     "repetition": "{% set x = 'a' * 1000000000 %}{{ x }}",
 }
