@@ -92,6 +92,9 @@ class Limits:
 def raise_open_file_limit() -> int:
     """Raise this process's soft open-file limit to its hard limit, as Go programs (Ollama) do at start; returns
     the soft limit now in force (0 where there is none to read)."""
+    from daemon.runners.process import remember_starting_limits
+
+    remember_starting_limits()  # runners get the limit the daemon started with
     try:
         import resource
     except ImportError:  # Windows

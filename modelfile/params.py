@@ -86,11 +86,13 @@ _TYPE_WORDS = {
 
 
 #: num_thread above this many threads per logical CPU only oversubscribes the machine (llama.cpp spins a thread per
-#: count), so it is refused; 0 means automatic
+#: count), so a larger one (a model made on a bigger machine, or a request's) is lowered to it when the model loads,
+#: as the log says; 0 means automatic
 THREADS_PER_CPU = 4
 
 #: (lowest, highest, why) of each numeric option; None: no bound on that side. Checked on every value that enters
-#: (API options, /api/create parameters, a model's stored parameters); num_thread's top bound is the machine's.
+#: (API options, /api/create parameters, a model's stored parameters); num_thread has no top bound here (see
+#: :func:`clamp_num_thread`).
 RANGES: dict[str, tuple[float | None, float | None, str]] = {
     "num_ctx": (1, 1 << 24, "must be between 1 and 16777216"),
     "num_batch": (1, 1 << 20, "must be between 1 and 1048576"),
@@ -108,8 +110,15 @@ RANGES: dict[str, tuple[float | None, float | None, str]] = {
 
 
 def max_num_thread() -> int:
-    """The largest num_thread accepted on this machine: ``THREADS_PER_CPU`` per logical CPU."""
+    """The most threads a model runs with on this machine: ``THREADS_PER_CPU`` per logical CPU."""
     return THREADS_PER_CPU * (os.cpu_count() or 1)
+
+
+def clamp_num_thread(value: int) -> int:
+    """``value`` (a num_thread already checked: 0 or more) lowered to this machine's :func:`max_num_thread`. A model
+    made on a machine with more CPUs runs here, as it does with Ollama (which passes any count on); the runner says
+    so in the log when it lowers one."""
+    return min(int(value), max_num_thread())
 
 
 def check_value(name: str, value: object) -> None:
@@ -121,12 +130,12 @@ def check_value(name: str, value: object) -> None:
     if name == "repeat_penalty" and not value > 0:
         raise ParameterError(name, f'option "repeat_penalty" must be above 0 (1 is off), got {_show(value)}')
     if name == "num_thread":
-        top = max_num_thread()
-        if not 0 <= value <= top:
+        if value < 0:
             raise ParameterError(
                 name,
-                f'option "num_thread" must be between 0 (automatic) and {top} ({THREADS_PER_CPU} per logical '
-                f"CPU; this machine has {os.cpu_count() or 1} logical CPUs), got {_show(value)}",
+                f'option "num_thread" must be 0 (automatic) or a number of threads (this machine has '
+                f"{os.cpu_count() or 1} logical CPUs; more than {max_num_thread()} are lowered to that), "
+                f"got {_show(value)}",
             )
         return
     bounds = RANGES.get(name)

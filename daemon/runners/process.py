@@ -2,6 +2,12 @@
 
 This module never imports llama_cpp. A crash of llama.cpp (abort, segfault) ends only the child: requests in
 flight get :class:`RunnerCrashed`, and the scheduler loads the model again on the next request.
+
+A runner has its own resource limits, set in the child before llama.cpp is imported: the open-file limit the daemon
+started with (the daemon raises its own for many connections; a runner needs a few files, and a hostile model file
+that makes llama.cpp misbehave should not have thousands), and no core dumps (a runner's memory holds the prompts
+of every user of the model). A ``num_thread`` above this machine's bound (a model made on a bigger machine) is
+lowered to it, and the log says so.
 """
 
 from __future__ import annotations
@@ -31,13 +37,63 @@ from daemon.runners.base import (
     RunnerCrashed,
     RunnerError,
     Token,
+    Truncated,
 )
 from daemon.runners.protocol import HEADER, MAX_FRAME, encode
+from modelfile.params import THREADS_PER_CPU, clamp_num_thread
 from registry.errors import InvalidRequest
 
 #: default seconds a load may go without progress (CORRAL_LOAD_TIMEOUT, as OLLAMA_LOAD_TIMEOUT); math.inf = forever
 LOAD_TIMEOUT = 300.0
 _CRASH = object()
+
+
+# The runner's own limits, applied by the child before it imports anything heavy (no preexec_fn: the daemon has
+# threads). argv[1] is the module to run (so tools that look for runners by command line find it), argv[2] the
+# limits as JSON: [[resource name, soft, hard], ...].
+_BOOT = """
+import json, runpy, sys
+try:
+    import resource
+except ImportError:
+    resource = None
+module, limits = sys.argv[1], json.loads(sys.argv[2])
+for name, soft, hard in limits if resource is not None else ():
+    try:
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+    except (AttributeError, ValueError, OSError) as e:
+        print(f"runner: could not set {name} to {soft}: {e}", file=sys.stderr)
+sys.argv = [module]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+_STARTING_NOFILE: int | None = None
+
+
+def remember_starting_limits() -> None:
+    """Note this process's open-file limit before the daemon raises it (``daemon.server`` calls this first), so
+    runners get the one the daemon was started with. Only the first call counts."""
+    global _STARTING_NOFILE
+    if _STARTING_NOFILE is not None:
+        return
+    try:
+        import resource
+    except ImportError:  # Windows
+        return
+    _STARTING_NOFILE = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def runner_limits() -> list[tuple[str, int, int]]:
+    """The limits a runner starts with: [(resource name, soft, hard)]. Open files: the daemon's starting soft limit
+    (the current one when none was noted), as both soft and hard; core dumps: none."""
+    try:
+        import resource
+    except ImportError:  # Windows: no rlimits
+        return []
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    nofile = _STARTING_NOFILE if _STARTING_NOFILE is not None else soft
+    if hard != resource.RLIM_INFINITY and (nofile == resource.RLIM_INFINITY or nofile > hard):
+        nofile = hard
+    return [("RLIMIT_NOFILE", nofile, nofile), ("RLIMIT_CORE", 0, 0)]
 
 
 class RunnerRequestError(InvalidRequest):
@@ -155,10 +211,24 @@ class ProcessRunner:
         env = dict(self._env if self._env is not None else os.environ)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        threads = clamp_num_thread(self.spec.num_thread)
+        if threads != self.spec.num_thread:
+            self._log.warning(
+                "model %s asks for num_thread=%d; this machine has %d logical CPUs, so it runs with %d "
+                "(%d per logical CPU at most)",
+                self.spec.model_path,
+                self.spec.num_thread,
+                os.cpu_count() or 1,
+                threads,
+                THREADS_PER_CPU,
+            )
+            self.spec = dataclasses.replace(self.spec, num_thread=threads)
         self._proc = await asyncio.create_subprocess_exec(
             self._python,
-            "-m",
+            "-c",
+            _BOOT,
             "daemon.runners.llama_cpp",
+            json.dumps(runner_limits()),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -264,6 +334,10 @@ class ProcessRunner:
                         prompt_cached=int(msg.get("prompt_cached", 0)),
                     )
                     return
+                elif kind == "truncated":  # the prompt was cut to fit the context (said before any token)
+                    yield Truncated(
+                        int(msg["prompt_tokens"]), int(msg["kept_tokens"]), int(msg["num_keep"]), int(msg["num_ctx"])
+                    )
                 elif kind == "error":
                     finished = True
                     raise self._error(msg)

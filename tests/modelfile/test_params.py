@@ -131,7 +131,7 @@ def test_validate_options_errors(options: dict[str, object], message: str) -> No
         ({"temperature": float("inf")}, 'option "temperature" must be a finite number'),
         ({"temperature": -0.1}, 'option "temperature" must not be negative, got -0.1'),
         ({"top_p": 1.5}, 'option "top_p" must be between 0 and 1, got 1.5'),
-        ({"num_thread": 1024}, 'option "num_thread" must be between 0 (automatic) and'),
+        ({"num_thread": -1}, 'option "num_thread" must be 0 (automatic) or a number of threads'),
         ({"num_thread": -1}, "logical CPU"),
         ({"num_ctx": 0}, 'option "num_ctx" must be between 1 and 16777216, got 0'),
         ({"main_gpu": -1}, 'option "main_gpu" must not be negative'),
@@ -145,15 +145,24 @@ def test_validate_options_ranges(options: dict[str, object], message: str) -> No
         assert info.value.name == next(iter(options))
 
 
-def test_num_thread_bound_is_the_machines() -> None:
+def test_num_thread_above_the_machines_bound_is_accepted_and_clamped() -> None:
+    """A model made on a machine with more CPUs (or a request asking for more threads) is not refused: the count
+    is lowered to this machine's bound when the model loads (issue 25), as Ollama runs it; negative is refused."""
     import os
 
-    from modelfile.params import max_num_thread
+    from modelfile.params import clamp_num_thread, max_num_thread
 
-    assert max_num_thread() == 4 * (os.cpu_count() or 1)
-    assert validate_options({"num_thread": max_num_thread()}) == {"num_thread": max_num_thread()}
-    with pytest.raises(ParameterError, match=f"and {max_num_thread()} "):
-        validate_options({"num_thread": max_num_thread() + 1})
+    top = max_num_thread()
+    assert top == 4 * (os.cpu_count() or 1)
+    for big in (top + 1, 1024, 1 << 40):
+        assert validate_options({"num_thread": big}) == {"num_thread": big}
+        assert validate_options({"num_thread": big}, ignore_unknown=True) == {"num_thread": big}
+        assert clamp_num_thread(big) == top
+    assert clamp_num_thread(0) == 0 and clamp_num_thread(1) == 1 and clamp_num_thread(top) == top
+    with pytest.raises(ParameterError, match="got -3"):
+        validate_options({"num_thread": -3})
+    with pytest.raises(ParameterError, match="integer"):
+        validate_options({"num_thread": "8"})
 
 
 def test_deprecated_options_are_checked_then_dropped() -> None:
