@@ -201,4 +201,5 @@ def create_app(
         app.add_middleware(APIKeyGate, key=settings.api_key)
     app.add_middleware(Observe, metrics=metrics)
     app.add_middleware(DoorGuard, loopback=settings.host.is_loopback, origins=settings.origins)
+    app.add_middleware(errors.RefusalLog, log_prompts=settings.log_prompts)  # outermost: sees every 4xx
     return app

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from daemon import logs
 from daemon import prompt as prompts
 from daemon.bodies import read_model
 from daemon.chat import media, pipeline
@@ -20,7 +21,7 @@ from daemon.chat.types import Content, Event, Finished, Thinking, ThinkValue, To
 from daemon.errors import error_response
 from daemon.inference import Inference, ModelContext, keep_alive_value, now_rfc3339
 from daemon.observe import note
-from daemon.runners.base import Done, GenerateRequest, RunnerCrashed, SampleParams, Token
+from daemon.runners.base import Done, GenerateRequest, RunnerCrashed, SampleParams, Token, Truncated
 from daemon.scheduler import Lease
 from daemon.schemas import ChatMessage, ChatRequestBody, GenerateRequestBody, InferenceRequest
 from daemon.streaming import NDJSON, LiveStream, ndjson_line
@@ -141,7 +142,7 @@ def _finished(done: Done, started: float, lease: Lease, *, context: tuple[int, .
     )
 
 
-async def _stream_tokens(lease: Lease, greq: GenerateRequest) -> AsyncIterator[Token | Done]:
+async def _stream_tokens(lease: Lease, greq: GenerateRequest) -> AsyncIterator[Token | Done | Truncated]:
     """The runner's events, with the lease held until the last one (or until the client leaves). A runner that
     dies by a signal on its first decode, before anything was sent, is loaded again one step safer and the request
     runs again there (daemon/fallback.py): the user sees an answer, not the crash."""
@@ -151,7 +152,7 @@ async def _stream_tokens(lease: Lease, greq: GenerateRequest) -> AsyncIterator[T
             gen = lease.runner.generate(greq)
             try:
                 async for event in gen:
-                    sent = True
+                    sent = sent or not isinstance(event, Truncated)  # a cut is said before anything is evaluated
                     yield event
                 return
             except RunnerCrashed as exc:
@@ -168,11 +169,17 @@ async def _stream_tokens(lease: Lease, greq: GenerateRequest) -> AsyncIterator[T
 async def _events(
     lease: Lease, greq: GenerateRequest, stream: EventStream, started: float, *, with_context: bool = False
 ) -> AsyncIterator[Event]:
-    """One generation as typed events: the runner's pieces through the output parser, then Finished."""
+    """One generation as typed events: the runner's pieces through the output parser, then Finished. A prompt
+    the runner cut to fit the context is logged here (once, even when a crashed runner's retry cuts it again)."""
+    told = False
     async for item in _stream_tokens(lease, greq):
         if isinstance(item, Token):
             for event in stream.add(item.text, (item.logprobs,) if item.logprobs is not None else ()):
                 yield event
+        elif isinstance(item, Truncated):
+            if not told:
+                told = True
+                log_prompt_cut(lease.ref.name, item)
         else:
             for event in stream.add("", done=True):
                 yield event
@@ -334,6 +341,22 @@ def build_messages(ctx: ModelContext, request_messages: list[dict[str, Any]]) ->
 
 
 TRUNCATE_SECONDS = 30.0  # the most fitting one chat into its context may take
+RAISE_CONTEXT = "raise num_ctx (request options or a Modelfile PARAMETER) or CORRAL_CONTEXT_LENGTH to keep it whole"
+
+
+def log_prompt_cut(model: str, cut: Truncated) -> None:
+    """Say, at INFO, that the runner cut a prompt to fit the context (Ollama's "truncating input prompt")."""
+    log.info(
+        "truncating input prompt model=%s num_ctx=%d prompt_tokens=%d kept_tokens=%d num_keep=%d "
+        "(the first num_keep tokens and the last %d were kept; %s)",
+        logs.quote(model),
+        cut.num_ctx,
+        cut.prompt_tokens,
+        cut.kept_tokens,
+        cut.num_keep,
+        cut.kept_tokens - cut.num_keep,
+        RAISE_CONTEXT,
+    )
 
 
 async def render_chat(
@@ -348,7 +371,9 @@ async def render_chat(
     """Render, dropping the oldest non-system messages until the prompt fits num_ctx (the last always stays; with
     none left to drop, the shortest prompt is used). How many to drop is found by binary search, so a long chat
     takes O(log n) renders and tokenizations rather than n, each render in a worker thread (prompts.offload); the
-    prompt is the one dropping them one at a time gives, as the prompt never grows when a message is dropped."""
+    prompt is the one dropping them one at a time gives, as the prompt never grows when a message is dropped.
+    Messages dropped are logged at INFO (Ollama logs it only at debug level); what is still too long after that,
+    the runner cuts (and that is logged too: :func:`log_prompt_cut`)."""
 
     async def render(kept: list[dict[str, Any]]) -> str:
         return await prompts.offload(pipeline.render, ctx.chat, kept, tools, pipeline.normalise_think(think))
@@ -357,7 +382,10 @@ async def render_chat(
     if not truncate:
         return text
     droppable = [i for i, m in enumerate(msgs[:-1]) if m["role"] != "system"]
-    if not droppable or len(await lease.runner.tokenize(text)) <= num_ctx:
+    if not droppable:
+        return text
+    total = len(await lease.runner.tokenize(text))
+    if total <= num_ctx:
         return text
     deadline = time.monotonic() + TRUNCATE_SECONDS
 
@@ -366,7 +394,7 @@ async def render_chat(
         return [m for i, m in enumerate(msgs) if i not in gone]
 
     lo, hi = 1, len(droppable)  # the fewest drops that fit lie in [lo, hi] (hi: all of them, fitting or not)
-    fitting: tuple[int, str] | None = None
+    fitting: tuple[int, str, int] | None = None
     while lo < hi:
         if time.monotonic() > deadline:
             raise InvalidRequest(
@@ -375,11 +403,30 @@ async def render_chat(
             )
         mid = (lo + hi) // 2
         text = await render(without(mid))
-        if len(await lease.runner.tokenize(text)) <= num_ctx:
-            hi, fitting = mid, (mid, text)
+        n = len(await lease.runner.tokenize(text))
+        if n <= num_ctx:
+            hi, fitting = mid, (mid, text, n)
         else:
             lo = mid + 1
-    return fitting[1] if fitting is not None and fitting[0] == lo else await render(without(lo))
+    if fitting is not None and fitting[0] == lo:
+        text, kept = fitting[1], fitting[2]
+    else:  # all of them dropped (whether that fits is known only for a single droppable message)
+        text = await render(without(lo))
+        kept = len(await lease.runner.tokenize(text))
+    model = getattr(getattr(lease, "ref", None), "name", None) or getattr(ctx, "raw", "")
+    log.info(
+        "truncating input messages model=%s num_ctx=%d messages=%d prompt_tokens=%d kept_messages=%d "
+        "kept_tokens=%d (the %d oldest non-system messages were dropped; %s)",
+        logs.quote(model),
+        num_ctx,
+        len(msgs),
+        total,
+        len(msgs) - lo,
+        kept,
+        lo,
+        RAISE_CONTEXT,
+    )
+    return text
 
 
 async def run_chat(

@@ -127,7 +127,18 @@ class Done:
     stop_sequence: str | None = None  # the stop string that ended it, if one did
 
 
-Event = Token | Done
+@dataclass(frozen=True)
+class Truncated:
+    """The runner cut the prompt to fit its context (before evaluating any of it): its first ``num_keep`` tokens
+    and its end were kept, ``kept_tokens`` of ``prompt_tokens``."""
+
+    prompt_tokens: int
+    kept_tokens: int
+    num_keep: int
+    num_ctx: int
+
+
+Event = Token | Done | Truncated
 
 
 @dataclass(frozen=True)

@@ -224,7 +224,9 @@ class Engine:
             if self._eval_media is None:
                 raise EngineError("this model cannot take images: it has no vision projector")
             if len(prompt) >= self.n_ctx_slot:  # images are not cut in half: no truncation for them
-                raise EngineError(PROMPT_TOO_LONG)
+                raise EngineError(
+                    f"{PROMPT_TOO_LONG} (prompt: {len(prompt)} positions, context length: {self.n_ctx_slot})"
+                )
         bad = check_token_ids(prompt if media is None else [t for t in prompt if t >= 0], self.n_vocab)
         if bad is not None:
             # refused here, before it joins a batch: an id llama.cpp does not know fails the whole llama_decode,
@@ -234,9 +236,10 @@ class Engine:
                 f"has ids 0 to {self.n_vocab - 1}"
             )
         num_keep = min(max(0, int(params.get("num_keep", 4))), self.n_ctx_slot // 2)
-        if len(prompt) >= self.n_ctx_slot:
+        given = len(prompt)
+        if given >= self.n_ctx_slot:
             if not (shift and truncate):
-                raise EngineError(PROMPT_TOO_LONG)
+                raise EngineError(f"{PROMPT_TOO_LONG} (prompt: {given} tokens, context length: {self.n_ctx_slot})")
             tail = self.n_ctx_slot // 2 - num_keep
             prompt = prompt[:num_keep] + prompt[len(prompt) - tail :]
         num_predict = int(params.get("num_predict", -1))
@@ -259,6 +262,9 @@ class Engine:
         if media is not None:
             seq.media, seq.media_base = media, len(prompt) - media.n_pos
         seq.grammar = self._grammar(params)
+        if len(prompt) < given:  # said now, so that the daemon hears of the cut before any of the request's tokens
+            cut = {"prompt_tokens": given, "kept_tokens": len(prompt), "num_keep": num_keep, "num_ctx": self.n_ctx_slot}
+            self._emit_many([{"id": rid, "type": "truncated", **cut}])
         with self._cv:
             self.by_rid[rid] = seq
             self.waiting.append(seq)
