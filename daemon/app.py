@@ -116,7 +116,9 @@ def create_app(
     scheduler = Scheduler(
         runner_factory=runner_factory or functools.partial(default_runner_factory, load_timeout=settings.load_timeout),
         estimate=estimator or default_estimator(catalog),
-        budget=lambda: Budget(ram=the_budgets.ram, vram=the_budgets.vram, max_loaded=settings.max_loaded_models),
+        budget=lambda: Budget(
+            ram=the_budgets.ram, vram=the_budgets.vram, max_loaded=settings.max_loaded_models, shared=the_budgets.shared
+        ),
         default_keep_alive=settings.keep_alive,
         max_queue=settings.max_queue,
         fallbacks=Fallbacks(
@@ -165,6 +167,7 @@ def create_app(
         "ram_source": the_budgets.ram_source,
         "vram_source": the_budgets.vram_source,
         "gpus": list(the_budgets.gpu_budgets),
+        "unified_memory": the_budgets.shared,
     }  # VRAM budget per GPU (GPU.index order)
     app.state.inference = Inference(
         catalog,
@@ -175,6 +178,7 @@ def create_app(
         physical_cores=hw.physical_cores,
         default_num_ctx=default_num_ctx,
         gpu_budgets=the_budgets.gpu_budgets,
+        shared_memory=the_budgets.shared,
     )
     errors.install(app)
     for module in (meta, models, blobs, create, generate, embed, ps):

@@ -24,6 +24,7 @@ class Budget:
     ram: int
     vram: int
     max_loaded: int  # 0 = no count limit
+    shared: bool = False  # unified memory: the GPU's memory is the RAM, so VRAM use counts against ``ram`` too
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ def _fits(used: MemoryUse, need: MemoryUse, budget: Budget, count: int) -> bool:
     return (
         used.ram + need.ram <= budget.ram
         and used.vram + need.vram <= budget.vram
+        and (not budget.shared or used.ram + used.vram + need.ram + need.vram <= budget.ram)
         and (budget.max_loaded <= 0 or count + 1 <= budget.max_loaded)
     )
 
@@ -57,6 +59,11 @@ def decide(loaded: list[Loaded], need: MemoryUse, budget: Budget) -> Decision:
         which = "RAM" if need.ram > budget.ram else "VRAM"
         have, want = (budget.ram, need.ram) if which == "RAM" else (budget.vram, need.vram)
         return Decision("never", reason=f"{which}: needs {want} bytes, budget {have} bytes")
+    if budget.shared and need.ram + need.vram > budget.ram:
+        return Decision(
+            "never",
+            reason=f"RAM (shared with the GPU): needs {need.ram + need.vram} bytes, budget {budget.ram} bytes",
+        )
     if _fits(_sum(loaded), need, budget, len(loaded)):
         return Decision("load")
     idle = sorted((i for i in loaded if not i.busy), key=lambda i: (i.last_used, i.key))

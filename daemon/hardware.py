@@ -20,6 +20,13 @@ SYCL, or CUDA without NVML) takes the cached number when it is under a minute ol
 
 Nothing here fails: a probe that times out or crashes, no NVIDIA driver or no NVML simply means CPU only, with the
 reason recorded.
+
+Unified memory: where the GPU's memory is the system's RAM (Apple Silicon's Metal GPU, and integrated GPUs, which
+llama.cpp lists with the IGPU device type: Vulkan UMA, Jetson and GB10 CUDA, AMD APUs), RAM and VRAM are one memory.
+Ollama treats these GPUs as integrated and counts the smaller of the GPU's and the system's free memory
+(``server/sched.go``); corral marks them (:attr:`Hardware.unified_memory`), caps their VRAM budget at the RAM budget
+and counts what a model puts on them against the RAM budget as well (:attr:`Budgets.shared`, used by the eviction
+policy and by the sizing of a load), so one memory is never counted twice.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -117,6 +125,7 @@ class Hardware:
     system_info: str = ""
     probe: str = ""  # the llama.cpp probe: "ran", "cached 12s ago", "failed: ...", "not run"
     visible_devices: tuple[tuple[str, str | None], ...] = ()  # the VISIBLE_ENV variables that are set
+    unified_memory: bool = False  # the usable GPUs' memory is the system's RAM (see the module docstring)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -395,6 +404,15 @@ def offload_devices(devices: tuple[Device, ...]) -> list[Device]:
     return gpus or igpus
 
 
+def shares_system_memory(gpu: GPU, system: tuple[str, str] | None = None) -> bool:
+    """Whether ``gpu``'s memory is the system's RAM: an integrated GPU (llama.cpp's IGPU device type), or the Metal
+    GPU of an Apple Silicon Mac. ``system`` is ``(sys.platform, platform.machine())``, replaceable (tests)."""
+    os_name, machine = system or (sys.platform, platform.machine())
+    if gpu.type == "igpu":
+        return True
+    return gpu.backend == "Metal" and os_name == "darwin" and machine.lower() in ("arm64", "aarch64")
+
+
 def _hidden(environ: Mapping[str, str]) -> set[str]:
     return {b for var, backends in EMPTY_HIDES.items() if environ.get(var) == "" for b in backends}
 
@@ -469,9 +487,11 @@ def detect(
     probe: Callable[[Mapping[str, str]], tuple[dict[str, Any] | None, str]] | None = None,
     cache_dir: Path | None = None,
     use_cache: bool = True,
+    system: tuple[str, str] | None = None,
 ) -> Hardware:
     """The machine as llama.cpp will see it. ``check_offload=False`` never starts the probe child (a cached answer
-    is still used). ``nvml``, ``probe`` and ``cache_dir`` can be replaced (tests)."""
+    is still used). ``nvml``, ``probe``, ``cache_dir`` and ``system`` (``(sys.platform, platform.machine())``) can
+    be replaced (tests)."""
     env = os.environ if environ is None else environ
     vm = psutil.virtual_memory()
     logical = psutil.cpu_count(logical=True) or 1
@@ -544,6 +564,7 @@ def detect(
         system_info=str((data or {}).get("system_info") or ""),
         probe=source,
         visible_devices=tuple((k, env.get(k)) for k in VISIBLE_ENV if k in env),
+        unified_memory=offload and any(shares_system_memory(g, system) for g in gpus),
     )
 
 
@@ -585,6 +606,7 @@ class Budgets:
     vram_source: str = "default"
     notes: tuple[str, ...] = field(default=())
     gpu_budgets: tuple[int, ...] = ()  # per usable GPU, in llama.cpp's order (GPU.index); sums to ``vram``
+    shared: bool = False  # the GPUs' memory is the RAM: what a model puts on them counts against ``ram`` too
 
 
 def _share(total: int, weights: list[int]) -> tuple[int, ...]:
@@ -617,7 +639,24 @@ def budgets(hw: Hardware, ram_budget: int | None, vram_budget: int | None) -> Bu
     else:
         vram, vram_src = sum(per), "free VRAM less a reserve"
         per_gpu = tuple(per)
-    return Budgets(ram=ram, vram=vram, ram_source=ram_src, vram_source=vram_src, gpu_budgets=per_gpu)
+    shared = bool(usable) and hw.unified_memory
+    notes: tuple[str, ...] = ()
+    if shared:  # one memory: the GPU can have no more of it than the RAM budget allows (Ollama: the smaller one)
+        if vram > ram:
+            per_gpu = _share(ram, list(per_gpu))
+            vram, vram_src = ram, vram_src + ", capped at the RAM budget (unified memory)"
+        notes = (
+            "unified memory: the GPU's memory is the system's RAM, so a model counts once, against the RAM budget",
+        )
+    return Budgets(
+        ram=ram,
+        vram=vram,
+        ram_source=ram_src,
+        vram_source=vram_src,
+        gpu_budgets=per_gpu,
+        notes=notes,
+        shared=shared,
+    )
 
 
 def describe(hw: Hardware, b: Budgets) -> list[str]:
@@ -641,4 +680,5 @@ def describe(hw: Hardware, b: Budgets) -> list[str]:
         lines.append(f"gpu none usable: {hw.gpu_reason or 'no GPU'}; running on the CPU")
     per = " per_gpu=" + ",".join(str(x) for x in b.gpu_budgets) if len(b.gpu_budgets) > 1 else ""
     lines.append(f"budgets ram={b.ram} ({b.ram_source}) vram={b.vram} ({b.vram_source}){per}")
+    lines.extend(b.notes)
     return lines

@@ -121,6 +121,7 @@ class Inference:
         ram_budget: int = 0,
         default_num_ctx: int = 4096,
         gpu_budgets: tuple[int, ...] = (),
+        shared_memory: bool = False,
     ) -> None:
         self.catalog = catalog
         self.gpu_budgets = gpu_budgets  # VRAM budget per visible GPU, in llama.cpp's device order (hardware.Budgets)
@@ -128,6 +129,7 @@ class Inference:
         self.settings = settings
         self.vram_budget = vram_budget
         self.ram_budget = ram_budget
+        self.shared_memory = shared_memory  # unified memory: what goes to the GPU comes out of the RAM budget too
         self.physical_cores = physical_cores
         self.default_num_ctx = default_num_ctx  # CORRAL_CONTEXT_LENGTH, or automatic by VRAM (see create_app)
         self._estimates: dict[tuple[str, int, int, int, int, str, str], Any] = {}
@@ -280,7 +282,8 @@ class Inference:
         for parallel in (4, 3, 2):
             layers = self.choose_gpu_layers(ctx, num_ctx, num_batch, parallel, kv_type)
             est = self._estimate(ctx, num_ctx, num_batch, parallel, layers, kv_type)
-            if (self.ram_budget <= 0 or est.ram <= self.ram_budget) and est.vram <= max(self.vram_budget, 0):
+            ram = est.ram + (est.vram if self.shared_memory else 0)
+            if (self.ram_budget <= 0 or ram <= self.ram_budget) and est.vram <= max(self.vram_budget, 0):
                 return parallel
         return 1
 
@@ -291,7 +294,7 @@ class Inference:
         the model and that much more fit the RAM budget together (else none: the model itself comes first)."""
         est = self._estimate(ctx, num_ctx, num_batch, num_parallel, num_gpu, kv_type)
         want = est.kv_per_layer * len(est.weights_per_layer)
-        if self.ram_budget > 0 and est.ram + want > self.ram_budget:
+        if self.ram_budget > 0 and est.ram + (est.vram if self.shared_memory else 0) + want > self.ram_budget:
             return 0
         return want
 
