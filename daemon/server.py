@@ -16,6 +16,15 @@ Slow and idle clients cannot take the daemon down (what Go's net/http and Apache
   is not. Time the daemon itself holds the body back (flow control, ``Expect: 100-continue``) does not count.
 * **A keep-alive timeout.** An idle kept-alive connection is closed after :attr:`Limits.keep_alive` seconds
   (uvicorn's own timer; Ollama's Go server sets none).
+* **A write timeout.** A client that stops reading its answer (a stream, a model export) must not hold a runner
+  slot and the daemon's buffers for ever. Once its socket has taken no bytes for :attr:`Limits.write_timeout`
+  seconds the connection is aborted, so the request sees its client gone: a generation is cancelled and its
+  runner slot freed (``daemon.disconnect``), and the buffers are dropped. Two clocks, whichever runs out first:
+  on Linux the kernel's (``TCP_USER_TIMEOUT``: data left unacknowledged, or unsent behind the client's zero
+  receive window, for that long), which works however large the kernel lets the send buffer grow (up to 4 MiB,
+  minutes of a token stream); and everywhere the daemon's own, from the moment the socket and then the
+  transport's buffer are full (asyncio's ``pause_writing``): the deadline starts ``write_timeout`` ahead and each
+  byte the client takes moves it by ``1 / write_min_rate`` seconds, up to ``write_timeout`` ahead.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import contextlib
 import errno
 import logging
 import socket
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -78,6 +88,8 @@ class Limits:
     body_timeout: float = 30.0
     body_min_rate: float = 1024.0  # bytes per second
     keep_alive: float = 5.0
+    write_timeout: float = 60.0  # seconds a client may leave its answer unread (see the module docstring)
+    write_min_rate: float = 1024.0  # bytes per second it must take meanwhile
 
     @classmethod
     def for_open_files(cls, nofile: int) -> Limits:
@@ -195,18 +207,75 @@ class _Protocol(H11Protocol):
         self._deadline = 0.0
         self._watchdog: asyncio.TimerHandle | None = None
         self._watchdog_at = 0.0
+        self._write_watchdog: asyncio.TimerHandle | None = None
+        self._write_deadline = 0.0
+        self._write_buffered = 0  # bytes in the transport's buffer at the last write check
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if not self.gate.admit(self):
             transport.close()
             return
+        user_timeout = getattr(socket, "TCP_USER_TIMEOUT", None)  # Linux
+        sock = transport.get_extra_info("socket")
+        if user_timeout is not None and sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, user_timeout, int(self.gate.limits.write_timeout * 1000))
         self._update()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if isinstance(exc, TimeoutError) and self._phase == "busy":  # the kernel's write timeout (TCP_USER_TIMEOUT)
+            self._log_cut()
         self.gate.forget(self)
         self._disarm()
+        self._disarm_write()
         super().connection_lost(exc)
+
+    def _log_cut(self) -> None:
+        log.info(
+            "closing a connection whose client stopped reading its answer (no bytes taken for %gs)",
+            self.gate.limits.write_timeout,
+        )
+
+    def pause_writing(self) -> None:
+        """The transport's buffer is full: the client is not taking bytes as fast as they come. Start the clock."""
+        super().pause_writing()
+        if self.transport is None or self.transport.is_closing() or self._write_watchdog is not None:
+            return
+        limits = self.gate.limits
+        self._write_deadline = self.loop.time() + limits.write_timeout
+        self._write_buffered = self.transport.get_write_buffer_size()
+        self._write_watchdog = self.loop.call_at(self._write_deadline, self._check_write)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._disarm_write()
+
+    def _disarm_write(self) -> None:
+        if self._write_watchdog is not None:
+            self._write_watchdog.cancel()
+            self._write_watchdog = None
+
+    def _check_write(self) -> None:
+        self._write_watchdog = None
+        if self.transport is None or self.transport.is_closing() or not self.flow.write_paused:
+            return
+        now = self.loop.time()
+        limits = self.gate.limits
+        buffered = self.transport.get_write_buffer_size()
+        taken = max(0, self._write_buffered - buffered)  # while paused nothing is added, so this is what it read
+        self._write_buffered = buffered
+        self._write_deadline = min(self._write_deadline + taken / limits.write_min_rate, now + limits.write_timeout)
+        if now < self._write_deadline:
+            self._write_watchdog = self.loop.call_at(self._write_deadline, self._check_write)
+            return
+        self._log_cut()
+        self.gate.forget(self)
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:  # a reset, not a FIN queued behind the bytes the client will never read
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()  # close() would wait to send the buffer first
 
     def data_received(self, data: bytes) -> None:
         before = self._phase
