@@ -88,8 +88,11 @@ class InferenceRequest(NamedRequest):
     keep_alive: StrictStr | int | float | None = None
     options: dict[str, Any] | None = None
     think: StrictBool | StrictStr | None = None
+    # A prompt longer than num_ctx: true (Ollama's default) drops the oldest chat messages, then cuts what is still
+    # too long to its first num_keep tokens and its end, and logs each cut at INFO; false answers 400 "the prompt is
+    # longer than the context length ..." with the sizes instead (as does shift false, as in Ollama's runner).
     truncate: StrictBool = True
-    shift: StrictBool = True
+    shift: StrictBool = True  # false: no context shift; a generation that fills num_ctx stops there
     logprobs: StrictBool = False
     top_logprobs: int = 0
 
