@@ -4,8 +4,12 @@ A request becomes an Ollama chat request and runs through the same core as ``/ap
 ``/v1/chat/completions``: ``instructions`` is a system message; ``input`` is a string (one user message) or a list
 of items: messages (``{"role", "content"}``, content a string or ``input_text``/``output_text``/``input_image``
 parts; role developer is system), ``function_call`` items (assistant tool calls) and ``function_call_output``
-items (tool messages). Tools are flat function declarations (``{"type": "function", "name", "parameters"}``);
-``tool_choice`` "required" or ``{"type": "function", "name"}`` forces the call with a grammar, as in
+items (tool messages). Tools are flat function declarations (``{"type": "function", "name", "parameters"}``) and
+``namespace`` tools, whose member functions are offered to the model by one flat name (``namespace__name``, Codex's
+own) and whose calls come back as ``function_call`` items with ``name`` and ``namespace`` apart, the pair Codex looks
+its tools up by. As in Ollama, tools corral cannot run are left out of what the model sees, with a debug log line:
+hosted ones (``web_search``, ``file_search``, ...) and any other type; a ``web_search_call`` item in the history is
+skipped. ``tool_choice`` "required" or ``{"type": "function", "name"}`` forces the call with a grammar, as in
 ``/v1/chat/completions``. ``text.format`` json_schema and json_object constrain the output with a grammar;
 ``max_output_tokens``, ``temperature`` and ``top_p`` map to Ollama's options (an ``options`` object passes any
 other, such as ``seed`` or ``num_ctx``).
@@ -16,9 +20,10 @@ because clients such as Codex send it on every request whatever the model.
 
 Stateless, as Ollama: corral stores no responses, so ``previous_response_id`` and ``conversation`` are refused with
 a 400 that says to send the whole conversation in ``input``; ``store`` is accepted and ignored (the reply says
-``"store": false``), and so are hints that do not change the answer (metadata, user, service_tier, truncation,
-prompt_cache_key, safety_identifier, text.verbosity). A known field corral cannot honour (background, prompt,
-built-in tools such as web_search) is refused with a 400 naming it.
+``"store": false``), and so are hints that do not change the answer (include, metadata, client_metadata, user,
+service_tier, truncation, prompt_cache_key, stream_options, safety_identifier, text.verbosity, reasoning.summary):
+checked for their type and, where OpenAI has a fixed set, their value. A field corral cannot honour (background,
+prompt) is refused with a 400 naming it.
 
 Replies are Response objects (``output`` holds message, function_call and, for a thinking model, reasoning
 items; ``status`` "incomplete" with ``incomplete_details.reason`` "max_output_tokens" when cut by the limit);
@@ -28,6 +33,7 @@ streams are OpenAI's typed events, each with ``type`` and an increasing ``sequen
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -55,6 +61,7 @@ from daemon.routes.openai import call_schema, think_of
 from daemon.schemas import ChatRequestBody
 
 router = APIRouter()
+log = logging.getLogger(__name__)
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -76,6 +83,53 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         raise BadParam("background", "'background' responses are not supported: corral does not store responses")
     if body.get("prompt") is not None:
         raise BadParam("prompt", "'prompt' (stored prompt templates) is not supported; send 'instructions' and 'input'")
+
+
+# fields that change nothing in the answer, accepted as Codex and the SDKs send them; a wrong type or a value outside
+# OpenAI's set is still refused, so a typo does not pass for a setting
+_HINTS: dict[str, str] = {
+    "store": "bool",
+    "prompt_cache_key": "str",
+    "prompt_cache_retention": "str",
+    "client_metadata": "dict",
+    "metadata": "dict",
+    "stream_options": "dict",
+    "user": "str",
+    "safety_identifier": "str",
+    "service_tier": "str",
+    "truncation": "str",
+    "max_tool_calls": "int",
+}
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "service_tier": ("auto", "default", "flex", "scale", "priority"),
+    "truncation": ("auto", "disabled"),
+    "text.verbosity": ("low", "medium", "high"),
+    "reasoning.summary": ("auto", "concise", "detailed", "none"),
+    "reasoning.generate_summary": ("auto", "concise", "detailed", "none"),
+}
+
+
+def _check_hints(body: dict[str, Any]) -> None:
+    for name, kind in _HINTS.items():
+        get(body, name, kind)
+    include = get(body, "include", "list") or []
+    for i, entry in enumerate(include):
+        if not isinstance(entry, str):
+            raise BadParam(f"include[{i}]", f"'include[{i}]' must be a string")
+    get(body, "parallel_tool_calls", "bool")
+    text = get(body, "text", "dict") or {}
+    reasoning = get(body, "reasoning", "dict") or {}
+    values = {
+        "service_tier": body.get("service_tier"),
+        "truncation": body.get("truncation"),
+        "text.verbosity": text.get("verbosity"),
+        "reasoning.summary": reasoning.get("summary"),
+        "reasoning.generate_summary": reasoning.get("generate_summary"),
+    }
+    for param, value in values.items():
+        if value is not None and value not in _CHOICES[param]:
+            allowed = ", ".join(_CHOICES[param])
+            raise BadParam(param, f"invalid '{param}' value {value!r}: use one of {allowed}")
 
 
 def _parts(content: Any, where: str) -> tuple[str, list[str]]:
@@ -170,6 +224,11 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             name = item.get("name")
             if not isinstance(name, str):
                 raise BadParam(f"{where}.name", f"'{where}.name' must be a string")
+            ns = item.get("namespace")
+            if ns is not None and not isinstance(ns, str):
+                raise BadParam(f"{where}.namespace", f"'{where}.namespace' must be a string")
+            if ns:  # a namespaced function, as Codex replays one: the flat name the model was offered
+                name = flat_name(ns, name)
             call_id = str(item.get("call_id") or item.get("id") or "")
             names[call_id] = name
             call = {"id": call_id, "function": {"name": name, "arguments": _arguments(item.get("arguments"), where)}}
@@ -191,6 +250,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         elif kind == "reasoning":
             summary = item.get("summary") or []
             thinking = "".join(s.get("text") or "" for s in summary if isinstance(s, dict))
+        elif kind == "web_search_call":
+            pass  # as Ollama: a hosted search in the history is metadata; the message after it has what it found
         elif kind == "item_reference":
             raise BadParam(
                 f"{where}.type", "item references are not supported: corral does not store responses; send the item"
@@ -215,52 +276,116 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
     return opts
 
 
-def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, Any]:
-    """Ollama's tools from the flat Responses declarations, and a format forcing a call when tool_choice asks."""
-    tools = get(body, "tools", "list") or []
-    choice = body.get("tool_choice")
-    converted: list[dict[str, Any]] = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict):
-            raise BadParam(f"tools[{i}]", f"'tools[{i}]' must be an object")
-        if t.get("type") != "function":
-            raise BadParam(
-                f"tools[{i}].type",
-                f"tool type {t.get('type')!r} is not supported: corral offers only function tools "
-                "(it runs no built-in tools such as web or file search)",
-            )
-        nested = t.get("function")
-        fn: dict[str, Any] = nested if isinstance(nested, dict) else t  # tolerate the chat completions shape
-        if not isinstance(fn.get("name"), str):
-            raise BadParam(f"tools[{i}].name", f"'tools[{i}].name' must be a string")
-        params = fn.get("parameters")
-        converted.append(
-            {
-                "type": "function",
-                "function": {
-                    "name": fn["name"],
-                    "description": fn.get("description") or "",
-                    "parameters": params if isinstance(params, dict) else {"type": "object", "properties": {}},
-                },
-            }
-        )
-    if not converted and (choice == "required" or isinstance(choice, dict)):
-        raise BadParam("tool_choice", "'tool_choice' asks for a tool call, but no 'tools' are given")
-    if not converted or choice == "none":
-        return None, None
-    forced: list[dict[str, Any]] = []
-    if choice == "required":
-        forced = converted
-    elif isinstance(choice, dict):
-        if choice.get("type") != "function":
-            raise BadParam("tool_choice.type", '\'tool_choice\' objects must be {"type": "function", "name": ...}')
-        name = choice.get("name")
-        forced = [t for t in converted if t["function"]["name"] == name]
-        if not forced:
-            raise BadParam("tool_choice.name", f"tool_choice names {name!r}, which is not among the tools")
-    elif choice not in (None, "auto"):
-        raise BadParam("tool_choice", "'tool_choice' must be none, auto, required or a function")
-    return converted, (call_schema(forced) if forced else None)
+def flat_name(namespace: str, name: str) -> str:
+    """The one name a ``namespace`` tool's member has for the model: Codex's own flat form (``namespace__name``,
+    stray underscores at the join trimmed), so an MCP server's ``mcp__server__`` and ``tool`` read as
+    ``mcp__server__tool``, as Codex names them wherever a boundary cannot keep the two apart."""
+    return f"{namespace.rstrip('_')}__{name.lstrip('_')}" if namespace else name
+
+
+def _function(t: dict[str, Any], where: str) -> dict[str, Any]:
+    """Ollama's tool for one flat Responses function declaration (or the chat completions shape, tolerated)."""
+    nested = t.get("function")
+    fn: dict[str, Any] = nested if isinstance(nested, dict) else t
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise BadParam(f"{where}.name", f"'{where}.name' must be a non-empty string")
+    params = fn.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise BadParam(f"{where}.parameters", f"'{where}.parameters' must be a JSON schema object")
+    return {
+        "type": "function",
+        "function": {
+            "name": fn["name"],
+            "description": fn.get("description") or "",
+            "parameters": params if params is not None else {"type": "object", "properties": {}},
+        },
+    }
+
+
+class Tools:
+    """What a request's ``tools`` offer the model: Ollama's function tools, the namespaced functions among them
+    (flat name -> (namespace, name), so a call is answered in Codex's shape), and a format forcing a call when
+    ``tool_choice`` asks for one."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.offered: list[dict[str, Any]] = []
+        self.namespaced: dict[str, tuple[str, str]] = {}
+        dropped: list[str] = []
+        for i, t in enumerate(get(body, "tools", "list") or []):
+            where = f"tools[{i}]"
+            if not isinstance(t, dict):
+                raise BadParam(where, f"'{where}' must be an object")
+            kind = t.get("type")
+            if not isinstance(kind, str) or not kind:
+                raise BadParam(f"{where}.type", f"'{where}.type' is required: function, namespace or a hosted tool")
+            if kind == "function":
+                self._offer(_function(t, where), None, dropped, where)
+            elif kind == "namespace":
+                self._namespace(t, where, dropped)
+            else:
+                # as Ollama: a tool corral cannot run (hosted ones such as web_search, file_search, code_interpreter
+                # or image_generation; local_shell, custom, mcp) is left out of what the model is offered
+                dropped.append(f"{where} ({kind})")
+        if dropped:
+            log.debug("responses: tools corral cannot run were left out: %s", ", ".join(dropped))
+        self.forced = self._choice(body.get("tool_choice"), "tools" in body and bool(body["tools"]))
+
+    def _namespace(self, t: dict[str, Any], where: str, dropped: list[str]) -> None:
+        ns = t.get("name")
+        if not isinstance(ns, str) or not ns:
+            raise BadParam(f"{where}.name", f"'{where}.name' (the namespace) must be a non-empty string")
+        members = t.get("tools")
+        if not isinstance(members, list):
+            raise BadParam(f"{where}.tools", f"'{where}.tools' must be an array of the namespace's functions")
+        for j, member in enumerate(members):
+            mwhere = f"{where}.tools[{j}]"
+            if not isinstance(member, dict):
+                raise BadParam(mwhere, f"'{mwhere}' must be an object")
+            if member.get("type", "function") != "function":
+                dropped.append(f"{mwhere} ({member.get('type')})")
+                continue
+            self._offer(_function(member, mwhere), ns, dropped, mwhere)
+
+    def _offer(self, tool: dict[str, Any], ns: str | None, dropped: list[str], where: str) -> None:
+        fn = tool["function"]
+        name = fn["name"]
+        flat = flat_name(ns, name) if ns else name
+        if any(t["function"]["name"] == flat for t in self.offered):
+            dropped.append(f"{where} (a second tool named {flat!r})")
+            return
+        fn["name"] = flat
+        self.offered.append(tool)
+        if ns:
+            self.namespaced[flat] = (ns, name)
+
+    def _choice(self, choice: Any, given: bool) -> Any:
+        if not self.offered:
+            if choice == "required" or isinstance(choice, dict):
+                why = "none of the 'tools' is a function corral can offer" if given else "no 'tools' are given"
+                raise BadParam("tool_choice", f"'tool_choice' asks for a tool call, but {why}")
+            return None
+        if choice == "none":
+            self.offered = []
+            return None
+        forced: list[dict[str, Any]] = []
+        if choice == "required":
+            forced = self.offered
+        elif isinstance(choice, dict):
+            if choice.get("type") != "function":
+                raise BadParam(
+                    "tool_choice.type",
+                    '\'tool_choice\' objects must be {"type": "function", "name": ...}: corral runs no hosted tools',
+                )
+            name = choice.get("name")
+            ns = choice.get("namespace")
+            if isinstance(name, str) and isinstance(ns, str) and ns:
+                name = flat_name(ns, name)
+            forced = [t for t in self.offered if t["function"]["name"] == name]
+            if not forced:
+                raise BadParam("tool_choice.name", f"tool_choice names {name!r}, which is not among the tools")
+        elif choice not in (None, "auto"):
+            raise BadParam("tool_choice", "'tool_choice' must be none, auto, required or a function")
+        return call_schema(forced) if forced else None
 
 
 def _format(body: dict[str, Any]) -> Any:
@@ -310,8 +435,16 @@ def _usage(final: Finished) -> dict[str, Any]:
 class _Reply:
     """One response: its fixed fields, the output items so far, and the typed stream events that build them."""
 
-    def __init__(self, body: dict[str, Any], model: str, want_logprobs: bool, one_call: bool) -> None:
+    def __init__(
+        self,
+        body: dict[str, Any],
+        model: str,
+        want_logprobs: bool,
+        one_call: bool,
+        namespaced: dict[str, tuple[str, str]] | None = None,
+    ) -> None:
         self.body, self.model = body, model
+        self.namespaced = namespaced or {}
         self.want_logprobs, self.one_call = want_logprobs, one_call
         self.id, self.created = _id("resp"), int(time.time())
         self.output: list[dict[str, Any]] = []
@@ -344,7 +477,7 @@ class _Reply:
             "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
             "store": False,  # corral never stores responses
             "temperature": self.body.get("temperature", 1.0),
-            "text": {"format": text.get("format") or {"type": "text"}},
+            "text": {"format": text.get("format") or {"type": "text"}, "verbosity": text.get("verbosity") or "medium"},
             "tool_choice": self.body.get("tool_choice") or "auto",
             "tools": self.body.get("tools") or [],
             "top_p": self.body.get("top_p", 1.0),
@@ -483,7 +616,7 @@ class _Reply:
             if self.one_call and any(o["type"] == "function_call" for o in self.output):
                 break
             args = json.dumps(call.arguments, ensure_ascii=False)
-            item = {
+            item: dict[str, Any] = {
                 "id": _id("fc"),
                 "type": "function_call",
                 "status": "in_progress",
@@ -491,6 +624,8 @@ class _Reply:
                 "call_id": call.id or _id("call"),
                 "name": call.name,
             }
+            if call.name in self.namespaced:  # Codex finds the tool by the pair (namespace, name)
+                item["namespace"], item["name"] = self.namespaced[call.name]
             index = len(self.output)
             out.append(self.event("response.output_item.added", output_index=index, item=dict(item)))
             out.append(
@@ -501,7 +636,7 @@ class _Reply:
                     "response.function_call_arguments.done",
                     item_id=item["id"],
                     output_index=index,
-                    name=call.name,
+                    name=item["name"],
                     arguments=args,
                 )
             )
@@ -536,8 +671,9 @@ async def responses(request: Request) -> Response:
     model = get(body, "model", "str", required=True)
     note(model=model)
     _refuse_unsupported(body)
+    _check_hints(body)
     messages = _messages(body)
-    tools, forced = _tools(body)
+    tools = Tools(body)
     want_logprobs, top = _logprob_request(body)
     stream = bool(get(body, "stream", "bool"))
     req = parse_model(
@@ -546,8 +682,8 @@ async def responses(request: Request) -> Response:
             "model": model,
             "messages": messages,
             "options": _options(body),
-            "tools": tools,
-            "format": forced if forced is not None else _format(body),
+            "tools": tools.offered or None,
+            "format": tools.forced if tools.forced is not None else _format(body),
             "think": think_of(body),  # reasoning.effort, mapped as in /v1/chat/completions
             "stream": stream,
             "logprobs": want_logprobs,
@@ -558,7 +694,8 @@ async def responses(request: Request) -> Response:
     _, run = await run_chat(inference(request), req, started, relax_think=True)
     assert run is not None  # messages are never empty here
     first, rest = await first_then(run)  # an error before any output is still a plain error answer
-    reply = _Reply(body, model, want_logprobs, get(body, "parallel_tool_calls", "bool") is False)
+    one_call = get(body, "parallel_tool_calls", "bool") is False
+    reply = _Reply(body, model, want_logprobs, one_call, tools.namespaced)
     if not stream:
         try:
             event = first

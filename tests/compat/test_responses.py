@@ -208,14 +208,29 @@ def test_errors_in_openai_shape(client: openai.OpenAI) -> None:
         client.responses.create(model="smol", input="And then?", previous_response_id="resp_123")
     assert stateful.value.status_code == 400 and "does not store responses" in stateful.value.message
     assert stateful.value.param == "previous_response_id"
-    with pytest.raises(openai.BadRequestError) as builtin:
-        client.responses.create(model="smol", input="x", tools=[{"type": "web_search"}])
-    assert "web_search" in builtin.value.message
+    with pytest.raises(openai.BadRequestError) as hosted:  # forcing a call when the only tool is a hosted one
+        client.responses.create(model="smol", input="x", tools=[{"type": "web_search"}], tool_choice="required")
+    assert hosted.value.param == "tool_choice" and "none of the 'tools' is a function" in hosted.value.message
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model="smol", input=[{"type": "mystery"}])
     with pytest.raises(openai.NotFoundError) as missing:
         client.responses.create(model="no-such-model", input="x")
     assert "no-such-model" in missing.value.message
+
+
+def test_hosted_tools_are_left_out_as_in_ollama(client: openai.OpenAI) -> None:
+    # Codex sends web_search (and a namespace tool) on every request: corral runs no hosted tool, so the model is
+    # not offered it, and the request is answered rather than refused
+    r = client.responses.create(
+        model="smol",
+        input="Hi",
+        tools=[{"type": "web_search"}, {"type": "file_search", "vector_store_ids": ["vs_1"]}],
+        max_output_tokens=4,
+        temperature=0,
+        extra_body={"options": SEED},
+    )
+    assert r.output_text and [o.type for o in r.output] == ["message"]
+    assert [t.type for t in r.tools] == ["web_search", "file_search"]  # echoed as sent
 
 
 def test_reasoning_effort_is_ignored_by_a_model_that_cannot_think(client: openai.OpenAI) -> None:
