@@ -27,7 +27,8 @@ def unauthorized_body(path: str, missing: bool) -> dict[str, Any]:
         if missing
         else "invalid API key"
     )
-    if path.startswith("/v1/messages"):
+    if path.startswith("/v1/messages"):  # Anthropic's words for a wrong key, which clients match on
+        message = message if missing else "invalid x-api-key: the key does not match the daemon's CORRAL_API_KEY"
         return {"type": "error", "error": {"type": "authentication_error", "message": message}}
     if path.startswith("/v1/"):
         return {

@@ -15,13 +15,17 @@ M = TypeVar("M", bound=BaseModel)
 MAX_JSON_BODY = 64 * 1024 * 1024
 
 
+class BodyTooLarge(InvalidRequest):
+    """A request body over MAX_JSON_BODY (a 400, as Ollama's routes answer; the Anthropic shape makes it a 413)."""
+
+
 async def read_body(request: Request, *, allow_empty: bool = False) -> Any:
     """The request's JSON (None for an empty body when allowed), read with a size cap."""
     raw = b""
     async for chunk in request.stream():
         raw += chunk
         if len(raw) > MAX_JSON_BODY:
-            raise InvalidRequest(f"request body is larger than {MAX_JSON_BODY} bytes")
+            raise BodyTooLarge(f"request body is larger than {MAX_JSON_BODY} bytes")
     if not raw.strip():
         if allow_empty:
             return None

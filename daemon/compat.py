@@ -128,20 +128,40 @@ def openai_error(exc: BaseException) -> JSONResponse:
 
 
 def anthropic_error(exc: BaseException) -> JSONResponse:
+    """Anthropic's error body, ``{"type": "error", "error": {"type", "message"}, "request_id"}``, with the error
+    types its API gives each status, and its wording where clients act on it: a missing model says ``model: <name>``
+    (Claude Code's "model not found"), a prompt longer than the context starts ``prompt is too long`` (Claude
+    Code's compaction), an overfull body is 413 ``request_too_large``."""
+    import secrets  # here, not at the top: this function is the Anthropic layer's part of this module
+
+    from daemon.bodies import BodyTooLarge
+    from registry.errors import ModelNotFound
+
     status = status_for(exc)
+    message = str(exc)
+    if isinstance(exc, ModelNotFound) and exc.name:
+        message = f"model: {exc.name} (not found here: `corral list` shows the models, `corral pull <name>` gets one)"
+    elif status == 400 and ("longer than the context length" in message or "exceeds the context length" in message):
+        message = f"prompt is too long: {message}"
+    elif isinstance(exc, BodyTooLarge):
+        status = 413
     kind = {
         400: "invalid_request_error",
         401: "authentication_error",
+        403: "permission_error",
         404: "not_found_error",
+        413: "request_too_large",
         429: "rate_limit_error",
         503: "overloaded_error",
-    }.get(status, "api_error")
+        529: "overloaded_error",
+    }.get(status) or ("invalid_request_error" if status < 500 else "api_error")
     if status >= 500:
         log.error("request failed status=%d error=%s", status, exc)
+    request_id = f"req_{secrets.token_hex(12)}"
     return JSONResponse(
-        {"type": "error", "error": {"type": kind, "message": str(exc)}},
+        {"type": "error", "error": {"type": kind, "message": message}, "request_id": request_id},
         status_code=status,
-        headers=error_headers(exc, status),
+        headers={**(error_headers(exc, status) or {}), "request-id": request_id},
     )
 
 

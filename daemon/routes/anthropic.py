@@ -5,11 +5,23 @@ assistant tool calls, ``tool_result`` blocks into tool messages) and runs throug
 Replies use Anthropic's content blocks and stop reasons; streams use its events (message_start,
 content_block_start/delta/stop, message_delta, message_stop, ping). ``tool_choice`` "any" or naming a tool forces
 the call with a grammar.
+
+What Claude Code sends to a model that is not Claude is accepted as Ollama accepts it: a ``role: "system"``
+message inside ``messages`` stays where it is as a system message (the template's ``.System`` gathers every
+system message, as in Ollama); ``thinking`` ``adaptive`` turns thinking on like ``enabled`` (no ``budget_tokens``
+needed) and ``output_config.effort`` picks the thinking level; ``max_tokens`` is a limit, never refused for
+exceeding the context; Anthropic's own tools (``web_search_20250305`` and the like, which run on Anthropic's
+servers) are dropped with a debug line, as the Responses layer drops hosted tools; block kinds a local model has no
+use for (documents, search results, server tool results other than web search's) are skipped as Ollama skips them;
+``metadata``, ``context_management``, ``cache_control``, ``anthropic-beta`` headers and the ``?beta=true`` query
+change nothing. Errors carry Anthropic's types, and its wording where clients act on it (see
+:func:`daemon.compat.anthropic_error`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -37,6 +49,7 @@ from daemon.routes.openai import call_schema
 from daemon.schemas import ChatRequestBody
 
 router = APIRouter()
+log = logging.getLogger(__name__)
 
 
 # -- request translation --------------------------------------------------------------------------------------
@@ -53,20 +66,55 @@ def _blocks_text(value: Any, where: str) -> str:
     raise BadParam(where, f"'{where}' must be a string or an array of text blocks")
 
 
+def role_error(index: int, role: Any) -> BadParam:
+    """Anthropic's words for a role it does not take (``messages: Unexpected role "x". ...``), naming the roles
+    corral takes: clients match on the start of them."""
+    where = f"messages[{index}].role"
+    if role is None:
+        return BadParam(where, f'messages.{index}.role: Field required (one of "user", "assistant" or "system")')
+    if not isinstance(role, str):
+        return BadParam(
+            where, f'messages.{index}.role: Input should be a valid string ("user", "assistant" or "system")'
+        )
+    hint = (
+        ' A tool\'s result is a "tool_result" block in a user message, answering the "tool_use" block of the'
+        " assistant message before it."
+        if role.lower() == "tool"
+        else ""
+    )
+    return BadParam(
+        where,
+        f'messages: Unexpected role "{role}". Allowed roles are "user", "assistant" or "system" (messages[{index}]).'
+        + hint,
+    )
+
+
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     system = body.get("system")
     if system is not None:
-        out.append({"role": "system", "content": _blocks_text(system, "system")})
+        text = _blocks_text(system, "system")
+        if text:
+            out.append({"role": "system", "content": text})
     raw = get(body, "messages", "list", required=True)
     if not raw:
-        raise BadParam("messages", "'messages' must contain at least one message")
+        raise BadParam("messages", "messages: at least one message is required")
     names: dict[str, str] = {}  # tool_use id -> tool name, for the tool_result blocks that answer them
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise BadParam(f"{where}.role", f"'{where}.role' must be user or assistant")
-        role, content = m["role"], m.get("content")
+        if not isinstance(m, dict):
+            raise BadParam(where, f"messages.{i}: Input should be an object with a role and a content")
+        role = m["role"].lower() if isinstance(m.get("role"), str) else m.get("role")
+        if role not in ("user", "assistant", "system"):
+            raise role_error(i, m.get("role"))
+        content = m.get("content")
+        if role == "system":
+            # as Ollama: a system message where it stands (Claude Code sends one after the first user turn when the
+            # model is not Claude); the template's .System gathers every system message
+            text = _blocks_text(content if content is not None else "", f"{where}.content")
+            if text:
+                out.append({"role": "system", "content": text})
+            continue
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -78,32 +126,27 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         thinking = ""
         for j, block in enumerate(content):
             bwhere = f"{where}.content[{j}]"
-            kind = block.get("type") if isinstance(block, dict) else None
+            if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+                raise BadParam(f"{bwhere}.type", f"'{bwhere}' must be a content block with a type")
+            kind = block["type"]
             if kind == "text":
                 texts.append(str(block.get("text") or ""))
             elif kind == "image":
-                src = block.get("source") or {}
-                if src.get("type") != "base64" or not isinstance(src.get("data"), str):
-                    raise BadParam(f"{bwhere}.source", "images must be base64 sources; corral never fetches URLs")
-                images.append(src["data"])
+                images.append(_image(block, bwhere))
             elif kind in ("thinking", "redacted_thinking") and role == "assistant":
                 thinking += str(block.get("thinking") or "")  # earlier thinking, given back as the API asks
-            elif kind == "tool_use" and role == "assistant":
+            elif kind in ("tool_use", "server_tool_use") and role == "assistant":
                 if not isinstance(block.get("name"), str):
                     raise BadParam(f"{bwhere}.name", f"'{bwhere}.name' must be a string")
                 call_id = str(block.get("id") or "")
                 names[call_id] = block["name"]
                 calls.append({"id": call_id, "function": {"name": block["name"], "arguments": _input(block, bwhere)}})
-            elif kind == "tool_result" and role == "user":
-                result = block.get("content")
-                text = result if isinstance(result, str) else _blocks_text(result or [], f"{bwhere}.content")
-                call_id = str(block.get("tool_use_id") or "")
-                tool: dict[str, Any] = {"role": "tool", "content": text, "tool_call_id": call_id}
-                if call_id in names:
-                    tool["tool_name"] = names[call_id]
-                out.append(tool)
-            else:
-                raise BadParam(f"{bwhere}.type", f"unsupported block type {kind!r} in a {role} message")
+            elif kind in ("tool_result", "web_search_tool_result") and role == "user":
+                out.append(_tool_result(block, bwhere, names))
+            elif kind in ("tool_use", "server_tool_use", "thinking", "redacted_thinking", "tool_result"):
+                raise BadParam(f"{bwhere}.type", f"a {kind!r} block cannot be in a {role} message")
+            else:  # documents, search results, container uploads...: nothing a local chat template can show
+                log.debug("anthropic: skipping a %r block in %s (corral has no use for it)", kind, bwhere)
         if texts or images or calls or thinking:
             msg: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
             if thinking:
@@ -114,6 +157,48 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 msg["tool_calls"] = calls
             out.append(msg)
     return out
+
+
+def _image(block: dict[str, Any], where: str) -> str:
+    src = block.get("source")
+    if not isinstance(src, dict) or src.get("type") != "base64" or not isinstance(src.get("data"), str):
+        raise BadParam(f"{where}.source", f"'{where}.source': images must be base64 sources; corral never fetches URLs")
+    return str(src["data"])
+
+
+def _tool_result(block: dict[str, Any], where: str, names: dict[str, str]) -> dict[str, Any]:
+    """A tool message from a ``tool_result`` (its text blocks joined, its images kept, as Ollama does) or from a
+    ``web_search_tool_result`` (its results as lines of title and address)."""
+    result = block.get("content")
+    texts: list[str] = []
+    images: list[str] = []
+    if isinstance(result, str):
+        texts.append(result)
+    elif isinstance(result, dict):  # a web search's error
+        texts.append(f"{result.get('type') or 'error'}: {result.get('error_code') or ''}".rstrip(": "))
+    elif isinstance(result, list):
+        for k, part in enumerate(result):
+            pwhere = f"{where}.content[{k}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                texts.append(str(part.get("text") or ""))
+            elif kind == "image":
+                images.append(_image(part, pwhere))
+            elif kind == "web_search_result":
+                texts.append(f"- {part.get('title') or ''}: {part.get('url') or ''}")
+            elif kind is None:
+                raise BadParam(pwhere, f"'{pwhere}' must be a content block with a type")
+            else:
+                log.debug("anthropic: skipping a %r block in %s (corral has no use for it)", kind, pwhere)
+    elif result is not None:
+        raise BadParam(f"{where}.content", f"'{where}.content' must be a string or an array of blocks")
+    call_id = str(block.get("tool_use_id") or "")
+    tool: dict[str, Any] = {"role": "tool", "content": "\n".join(texts), "tool_call_id": call_id}
+    if images:
+        tool["images"] = images
+    if call_id in names:
+        tool["tool_name"] = names[call_id]
+    return tool
 
 
 def _input(block: dict[str, Any], where: str) -> dict[str, Any]:
@@ -144,29 +229,46 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, Any]:
+    """The request's own tools as Ollama function tools (newer fields such as ``cache_control``, ``strict``,
+    ``input_examples`` or ``defer_loading`` change nothing), Anthropic's server tools dropped, and the grammar that
+    ``tool_choice`` "any" or "tool" forces (``disable_parallel_tool_use`` changes nothing: one call is made)."""
     tools = get(body, "tools", "list")
     choice = get(body, "tool_choice", "dict") or {"type": "auto"}
-    if not tools or choice.get("type") == "none":
+    kind = choice.get("type")
+    if kind not in ("auto", "any", "tool", "none"):
+        raise BadParam("tool_choice.type", "'tool_choice.type' must be auto, any, tool or none")
+    if not tools or kind == "none":
         return None, None
     converted: list[dict[str, Any]] = []
     for i, t in enumerate(tools):
-        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
-            raise BadParam(f"tools[{i}]", f"'tools[{i}]' must have a name and an input_schema")
+        if not isinstance(t, dict):
+            raise BadParam(f"tools[{i}]", f"'tools[{i}]' must be an object with a name and an input_schema")
+        kind_of_tool = t.get("type")
+        if kind_of_tool not in (None, "custom"):
+            # web_search_20250305, web_fetch_..., code_execution_..., bash_..., text_editor_...: tools that
+            # Anthropic's servers run or that only its models know the shape of (the Responses layer drops hosted
+            # tools the same way)
+            log.debug(
+                "anthropic: dropping tools[%d] of type %r (%r): corral cannot run it", i, kind_of_tool, t.get("name")
+            )
+            continue
+        if not isinstance(t.get("name"), str) or not t["name"]:
+            raise BadParam(
+                f"tools[{i}].name", f"'tools[{i}].name' is required: a tool needs a name and an input_schema"
+            )
+        schema = t.get("input_schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise BadParam(f"tools[{i}].input_schema", f"'tools[{i}].input_schema' must be a JSON schema object")
         converted.append(
             {
                 "type": "function",
                 "function": {
                     "name": t["name"],
                     "description": t.get("description") or "",
-                    "parameters": t.get("input_schema")
-                    if isinstance(t.get("input_schema"), dict)
-                    else {"type": "object"},
+                    "parameters": schema or {"type": "object"},
                 },
             }
         )
-    kind = choice.get("type")
-    if kind == "any":
-        return converted, call_schema(converted)
     if kind == "tool":
         chosen = [t for t in converted if t["function"]["name"] == choice.get("name")]
         if not chosen:
@@ -174,25 +276,31 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, Any]:
                 "tool_choice.name", f"tool_choice names {choice.get('name')!r}, which is not among the tools"
             )
         return converted, call_schema(chosen)
-    if kind != "auto":
-        raise BadParam("tool_choice.type", "'tool_choice.type' must be auto, any, tool or none")
+    if not converted:
+        return None, None
+    if kind == "any":
+        return converted, call_schema(converted)
     return converted, None
 
 
 def _think(body: dict[str, Any]) -> bool | str | None:
-    """``thinking: {"type": "enabled" | "disabled"}``, or ``output_config.effort`` (a level), as Ollama maps them."""
+    """``thinking.type`` and ``output_config.effort`` as a ``think`` value. ``enabled`` and ``adaptive`` (what
+    Claude Code sends; no ``budget_tokens`` needed) turn thinking on, at the effort's level when one is given (a
+    model without levels just thinks); ``disabled`` turns it off whatever the effort; an effort alone is a level, as
+    Ollama maps it. A model that cannot think is not refused (see ``relax_think``)."""
     thinking = get(body, "thinking", "dict")
-    if thinking is not None:
-        kind = thinking.get("type")
-        if kind in ("enabled", "adaptive"):
-            return True
-        if kind == "disabled":
-            return False
-        raise BadParam("thinking.type", "'thinking.type' must be enabled, adaptive or disabled")
     effort = str((get(body, "output_config", "dict") or {}).get("effort") or "").strip().lower()
     if effort == "xhigh":
         effort = "high"
-    return effort if effort in ("low", "medium", "high", "max") else None
+    level = effort if effort in ("low", "medium", "high", "max") else None
+    if thinking is None:
+        return level
+    kind = thinking.get("type")
+    if kind in ("enabled", "adaptive"):
+        return level or True
+    if kind == "disabled":
+        return False
+    raise BadParam("thinking.type", f"'thinking.type' must be enabled, adaptive or disabled, got {kind!r}")
 
 
 def _chat_request(body: dict[str, Any], *, stream: bool, think: bool | str | None = None) -> ChatRequestBody:
