@@ -214,20 +214,23 @@ def test_every_field_codex_sends_is_accepted(codex_daemon: Daemon) -> None:
     assert r.output and r.usage is not None and r.usage.output_tokens > 0
 
 
-# The second turn, as Codex replays it: earlier calls of a namespaced function (function_call items carrying
-# ``namespace``) with their outputs. At temperature 0 SmolLM2 copies the pattern for the third question.
+# The second turn, as Codex 0.171.0 replays it (captured): earlier calls of a namespaced function (function_call
+# items carrying ``namespace``, ``status`` and ``id``) with their outputs. At temperature 0 SmolLM2 copies the
+# pattern for the third question.
 def _call(i: int, target: str) -> list[dict[str, Any]]:
     call_id = f"call_{i}"
     return [
         _message("user", f"Close the agent {target}."),
         {
             "type": "function_call",
+            "status": "completed",
+            "id": f"fc_{i}",
             "name": "close_agent",
             "namespace": "multi_agent_v1",
             "arguments": json.dumps({"target": target}),
             "call_id": call_id,
         },
-        {"type": "function_call_output", "call_id": call_id, "output": "closed"},
+        {"type": "function_call_output", "id": f"fco_{i}", "call_id": call_id, "output": "closed"},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Closed."}]},
     ]
 
