@@ -3,17 +3,19 @@ per step.
 
 Each of ``n_parallel`` slots is a llama.cpp sequence id with its own KV stream (so a sequence computes exactly
 what it computes alone) and remembers the tokens it holds.
-A new request takes the idle slot whose tokens share the longest prefix with its prompt (a prefix held by a
-busy slot is copied over with ``llama_memory_seq_cp``) and evaluates only the rest. Every step puts one token
-for each decoding sequence in the batch and fills what is left of ``n_batch`` with chunks of waiting prompts,
-so newcomers join at the next step while the others keep decoding; finished or cancelled sequences leave at
-once. When a slot is about to be overwritten, the sequence it holds is saved to host RAM (``llama_state_seq_*``,
-within ``cache_bytes``, least recently saved dropped first); a later request whose prompt continues a saved
-sequence further than any slot does gets it restored instead of evaluating it again (a conversation that lost
-its slot to other users comes back without re-reading its history). Sampling is vectorised over all rows
-(``sampling.py``; a request's logit_bias is added to its own row only); grammars (JSON, JSON schema) are
-applied per sequence with llama.cpp's grammar sampler. A sequence that fills its ``num_ctx`` shifts its context
-like Ollama (keep ``num_keep``, drop half of the rest) unless ``shift`` is false.
+A new request takes the idle slot whose tokens share the longest prefix with its prompt (a prefix held by a busy
+slot is copied over with ``llama_memory_seq_cp``) and evaluates only the rest. A prefix that another sequence is
+evaluating right now (the choices of a request with ``n`` > 1, concurrent requests with one system prompt) is waited
+for and then copied, so it is evaluated once; the last prompt token is evaluated per sequence, which gives each its
+own logits for its first token. Every step puts one token for each decoding sequence in the batch and fills what is
+left of ``n_batch`` with chunks of waiting prompts, so newcomers join at the next step while the others keep
+decoding; finished or cancelled sequences leave at once. When a slot is about to be overwritten, the sequence it
+holds is saved to host RAM (``llama_state_seq_*``, within ``cache_bytes``, least recently saved dropped first); a
+later request whose prompt continues a saved sequence further than any slot does gets it restored instead of
+evaluating it again (a conversation that lost its slot to other users comes back without re-reading its history).
+Sampling is vectorised over all rows (``sampling.py``; a request's logit_bias is added to its own row only);
+grammars (JSON, JSON schema) are applied per sequence with llama.cpp's grammar sampler. A sequence that fills its
+``num_ctx`` shifts its context like Ollama (keep ``num_keep``, drop half of the rest) unless ``shift`` is false.
 
 Prompts with images (docs/vision.md) come as the media prompt's cache key: token ids for text, and negative
 entries, derived from each image's hash, for its positions. So the prompt cache compares images by content and never
@@ -149,6 +151,10 @@ class Seq:
     media_base: int = 0  # prompt entries before the media prompt's (the request's ``context`` tokens)
     rest: list[int] = field(default_factory=list)  # prompt entries after ``pending``, from an image on
     shown: bool = False  # some of its text has been emitted
+    # Another sequence evaluating a prefix of this one's prompt (``_admit``): this one holds its slot, evaluates
+    # nothing, and copies the KV once ``leader`` has evaluated ``lead_to`` tokens (or stopped)
+    leader: Seq | None = None
+    lead_to: int = 0
 
 
 class Engine:
@@ -425,13 +431,20 @@ class Engine:
         for slot in self.slots:
             seq = slot.seq
             if seq is not None:
-                if seq.pending or seq.rest:
+                if seq.pending or seq.rest or seq.leader is not None:
                     return False
                 running = True
         return running
 
     def _admit(self) -> None:
-        """Give waiting requests free slots, reusing the longest cached prefix (caller holds the lock)."""
+        """Give waiting requests free slots, reusing the longest cached prefix (caller holds the lock). Followers
+        whose leader has evaluated what they share (or stopped: cancelled, failed, ended) take their prefix first,
+        before a newcomer may take the leader's slot."""
+        for slot in self.slots:
+            seq = slot.seq
+            if seq is not None and seq.leader is not None and not seq.cancelled and not self._leading(seq):
+                seq.leader, seq.lead_to = None, 0
+                self._place(seq, slot)
         while self.waiting:
             free = [s for s in self.slots if s.seq is None]
             if not free:
@@ -441,46 +454,93 @@ class Engine:
                 self._finish(seq, "stop")
                 continue
             best = self._pick(free, seq.prompt)
-            reuse = common_prefix(best.tokens, seq.prompt)
-            donor = max(self.slots, key=lambda s: common_prefix(s.tokens, seq.prompt))
-            donor_len = common_prefix(donor.tokens, seq.prompt)
-            reuse = min(reuse, len(seq.prompt) - 1)
-            donor_len = min(donor_len, len(seq.prompt) - 1)
-            hit, hit_len = self._find_saved(seq.prompt)
-            if len(best.tokens) - reuse >= SAVE_MIN_TOKENS:
-                self._save(best)  # what it holds beyond the shared prefix is about to be overwritten
-            restored = False
-            if hit is not None and hit_len >= max(reuse, donor_len) + MIN_GAIN:
-                restored = self._restore(hit, best)
-                if not restored:  # the slot was emptied: nothing of it to reuse
-                    reuse = 0
-                    donor_len = min(common_prefix(donor.tokens, seq.prompt), len(seq.prompt) - 1)
-            if restored:
-                self.lc.llama_memory_seq_rm(self.mem, best.seq_id, hit_len, -1)
-                best.tokens = best.tokens[:hit_len]
-                reuse = hit_len
-            elif donor is not best and donor_len >= reuse + MIN_GAIN:
-                # a slot is its own KV stream, and llama.cpp copies between streams only whole: copy, then trim
-                self.lc.llama_memory_seq_rm(self.mem, best.seq_id, -1, -1)
-                self.lc.llama_memory_seq_cp(self.mem, donor.seq_id, best.seq_id, -1, -1)
-                self.lc.llama_memory_seq_rm(self.mem, best.seq_id, donor_len, -1)
-                best.tokens = list(seq.prompt[:donor_len])
-                reuse = donor_len
-            else:
-                self.lc.llama_memory_seq_rm(self.mem, best.seq_id, reuse, -1)
-                best.tokens = best.tokens[:reuse]
-            if seq.media is not None and reuse > seq.media_base:
-                # an image is evaluated whole: a cached prefix that ends inside one is cut back to its start
-                safe = seq.media_base + seq.media.safe_prefix(reuse - seq.media_base)
-                if safe < reuse:
-                    self.lc.llama_memory_seq_rm(self.mem, best.seq_id, safe, -1)
-                    best.tokens = best.tokens[:safe]
-                    reuse = safe
             seq.slot, best.seq = best, seq
-            seq.pending = list(seq.prompt[reuse:])
-            if seq.media is not None:
-                seq.pending, seq.rest = split_at_image(seq.pending)
-            seq.prompt_cached = reuse
+            self._place(seq, best)
+
+    def _place(self, seq: Seq, best: Slot) -> None:
+        """Set up ``seq``'s KV in its slot ``best``: the longest prefix of its prompt that the slot holds, another
+        slot holds (copied), or host RAM holds (restored); the rest of the prompt is left to evaluate. Unless
+        another sequence is evaluating a longer prefix of this prompt right now (the choices of a request with
+        ``n`` > 1, or concurrent requests with one system prompt): then ``seq`` follows it (``_leader``) and is
+        placed again once that prefix is in the leader's slot, so the prefix is evaluated once, not once per
+        sequence. The last prompt token is always left to evaluate: each sequence gets its own logits row for its
+        first token."""
+        n = len(seq.prompt)
+        reuse = min(common_prefix(best.tokens, seq.prompt), n - 1)
+        donor = max(self.slots, key=lambda s: common_prefix(s.tokens, seq.prompt))
+        donor_len = min(common_prefix(donor.tokens, seq.prompt), n - 1)
+        hit, hit_len = self._find_saved(seq.prompt)
+        leader, lead_to = self._leader(seq)
+        if leader is not None and lead_to >= max(reuse, donor_len, hit_len) + MIN_GAIN:
+            seq.leader, seq.lead_to = leader, lead_to
+            seq.pending, seq.rest = [], []
+            return
+        if len(best.tokens) - reuse >= SAVE_MIN_TOKENS:
+            self._save(best)  # what it holds beyond the shared prefix is about to be overwritten
+        restored = False
+        if hit is not None and hit_len >= max(reuse, donor_len) + MIN_GAIN:
+            restored = self._restore(hit, best)
+            if not restored:  # the slot was emptied: nothing of it to reuse
+                reuse = 0
+                donor_len = min(common_prefix(donor.tokens, seq.prompt), n - 1)
+        if restored:
+            self.lc.llama_memory_seq_rm(self.mem, best.seq_id, hit_len, -1)
+            best.tokens = best.tokens[:hit_len]
+            reuse = hit_len
+        elif donor is not best and donor_len >= reuse + MIN_GAIN:
+            # a slot is its own KV stream, and llama.cpp copies between streams only whole: copy, then trim
+            self.lc.llama_memory_seq_rm(self.mem, best.seq_id, -1, -1)
+            self.lc.llama_memory_seq_cp(self.mem, donor.seq_id, best.seq_id, -1, -1)
+            self.lc.llama_memory_seq_rm(self.mem, best.seq_id, donor_len, -1)
+            best.tokens = list(seq.prompt[:donor_len])
+            reuse = donor_len
+        else:
+            self.lc.llama_memory_seq_rm(self.mem, best.seq_id, reuse, -1)
+            best.tokens = best.tokens[:reuse]
+        if seq.media is not None and reuse > seq.media_base:
+            # an image is evaluated whole: a cached prefix that ends inside one is cut back to its start
+            safe = seq.media_base + seq.media.safe_prefix(reuse - seq.media_base)
+            if safe < reuse:
+                self.lc.llama_memory_seq_rm(self.mem, best.seq_id, safe, -1)
+                best.tokens = best.tokens[:safe]
+                reuse = safe
+        seq.pending = list(seq.prompt[reuse:])
+        if seq.media is not None:
+            seq.pending, seq.rest = split_at_image(seq.pending)
+        seq.prompt_cached = reuse
+
+    def _leader(self, seq: Seq) -> tuple[Seq | None, int]:
+        """The sequence evaluating the longest prefix of ``seq``'s prompt beyond what its slot holds now, and that
+        prefix's length (at most all but the last prompt token, cut back to the start of an image it would end
+        inside): one with prompt (text or images) left to evaluate, not cancelled and not itself a follower.
+        Image entries are keys of the images' content, so a prefix with images is shared only by the same images."""
+        found: Seq | None = None
+        found_len = 0
+        for slot in self.slots:
+            other = slot.seq
+            if other is None or other is seq or other.cancelled or other.leader is not None:
+                continue
+            if not (other.pending or other.rest):
+                continue
+            n = min(common_prefix(other.prompt, seq.prompt), len(seq.prompt) - 1)
+            if seq.media is not None and n > seq.media_base:
+                n = seq.media_base + seq.media.safe_prefix(n - seq.media_base)
+            if n > len(slot.tokens) and n > found_len:
+                found, found_len = other, n
+        return found, found_len
+
+    def _leading(self, seq: Seq) -> bool:
+        """``seq``'s leader is still in its slot evaluating the prefix ``seq`` waits for."""
+        leader = seq.leader
+        slot = leader.slot if leader is not None else None
+        return (
+            leader is not None
+            and slot is not None
+            and slot.seq is leader
+            and not leader.cancelled
+            and bool(leader.pending or leader.rest)
+            and len(slot.tokens) < seq.lead_to
+        )
 
     def _compact(self) -> None:
         """Keep the busy slots together: when a free slot lies between busy ones, move the sequence in the highest
@@ -548,7 +608,10 @@ class Engine:
         try:
             if left <= 0 or segments[index].kind != "image":
                 raise RuntimeError(f"the image at position {at} is out of step with the prompt")
-            others = bool(self.waiting) or any(s.seq is not None and s.seq is not seq for s in self.slots)
+            # its followers wait for it rather than decode: they are no reason to slice it
+            others = bool(self.waiting) or any(
+                s.seq is not None and s.seq is not seq and s.seq.leader is not seq for s in self.slots
+            )
             limit = IMAGE_SLICE if others else left
             n = self._eval_media(seq.media, index, offset, at, slot.seq_id, left == len(seq.rest), limit)
             if not 0 < n <= left:
