@@ -26,7 +26,8 @@ checked for their type and, where OpenAI has a fixed set, their value. A field c
 prompt) is refused with a 400 naming it.
 
 Replies are Response objects (``output`` holds message, function_call and, for a thinking model, reasoning
-items; ``status`` "incomplete" with ``incomplete_details.reason`` "max_output_tokens" when cut by the limit);
+items; ``status`` "incomplete" with ``incomplete_details.reason`` "max_output_tokens" when cut by the request's own
+``max_output_tokens``; a cut by a limit the client did not set completes, as in Ollama);
 streams are OpenAI's typed events, each with ``type`` and an increasing ``sequence_number``.
 """
 
@@ -653,7 +654,11 @@ class _Reply:
             return self.add_text(event.text, list(event.logprobs)) if event.text or event.logprobs else []
         if isinstance(event, ToolCalls):
             return self.add_calls(event.calls)
-        status = self.status = "incomplete" if event.done_reason == "length" else "completed"
+        # "incomplete" answers a request's own max_output_tokens, as OpenAI does; a cut by a limit the client did
+        # not set (a Modelfile's num_predict, the context) completes, as in Ollama: Codex fails a whole turn on
+        # response.incomplete, and it never sets max_output_tokens.
+        cut = event.done_reason == "length" and self.body.get("max_output_tokens") is not None
+        status = self.status = "incomplete" if cut else "completed"
         out = self.close_reasoning()
         if not self.output or self.message is not None:  # no output at all is an empty message
             out += self.open_message() + self.close_message(status)

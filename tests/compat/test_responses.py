@@ -203,6 +203,22 @@ def test_max_output_tokens_makes_it_incomplete(client: openai.OpenAI) -> None:
     assert events[-1].response.output_text == r.output_text
 
 
+def test_a_limit_the_client_did_not_set_completes(client: openai.OpenAI) -> None:
+    """Cut by num_predict (a Modelfile's or options'), not by max_output_tokens: "completed", as Ollama answers;
+    Codex, which never sets max_output_tokens, fails a whole turn on response.incomplete."""
+    args: dict[str, Any] = {
+        "model": "smol",
+        "input": "Write a long story about a dragon.",
+        "temperature": 0,
+        "extra_body": {"options": {**SEED, "num_predict": 3}},
+    }
+    r = client.responses.create(**args)
+    assert r.status == "completed" and r.incomplete_details is None
+    assert r.usage is not None and r.usage.output_tokens == 3
+    events = _events(client.responses.create(stream=True, **args))
+    assert events[-1].type == "response.completed"
+
+
 def test_errors_in_openai_shape(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as stateful:
         client.responses.create(model="smol", input="And then?", previous_response_id="resp_123")
