@@ -179,6 +179,63 @@ def test_the_system_message_joins_the_system_prompt(client: anthropic.Anthropic)
     }
 
 
+def second_turn() -> dict[str, Any]:
+    """Claude Code's request after the model called Read: its thinking and tool_use given back, the file in a
+    tool_result with ``cache_control``."""
+    body = first_request("What is in notes.txt?")
+    body["messages"] += [
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "I should read it.", "signature": ""},
+                {"type": "tool_use", "id": "toolu_01", "name": "Read", "input": {"target": "notes.txt"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "tool_use_id": "toolu_01",
+                    "type": "tool_result",
+                    "content": "1\tThe secret word is pineapple.\n2\t",
+                    "cache_control": {"type": "ephemeral"},
+                }
+            ],
+        },
+    ]
+    return body
+
+
+def test_claude_codes_second_turn_after_a_tool_call(client: anthropic.Anthropic) -> None:
+    body = second_turn()
+    assert anth._messages(body)[2:] == [
+        {"role": "system", "content": AGENTS},
+        {
+            "role": "assistant",
+            "content": "",
+            "thinking": "I should read it.",
+            "tool_calls": [{"id": "toolu_01", "function": {"name": "Read", "arguments": {"target": "notes.txt"}}}],
+        },
+        {
+            "role": "tool",
+            "content": "1\tThe secret word is pineapple.\n2\t",
+            "tool_call_id": "toolu_01",
+            "tool_name": "Read",
+        },
+    ]
+    first = client.beta.messages.count_tokens(
+        model="smol-tools",
+        messages=first_request()["messages"],
+        system=SYSTEM,
+        betas=BETAS,
+        extra_body={"tools": TOOLS},
+    )
+    second = client.beta.messages.count_tokens(
+        model="smol-tools", messages=body["messages"], system=SYSTEM, betas=BETAS, extra_body={"tools": TOOLS}
+    )
+    assert second.input_tokens > first.input_tokens + 10  # the call and the file's text are in the prompt
+
+
 def test_adaptive_thinking_and_effort_turn_thinking_on(client: anthropic.Anthropic) -> None:
     shots: list[Any] = []
     for q, thought, answer in (("What is 2+2?", "2 plus 2 is 4.", "4"), ("What is 5+1?", "5 plus 1 is 6.", "6")):
