@@ -77,7 +77,7 @@ TOOLS: list[dict[str, Any]] = [_tool(n) for n in TOOL_NAMES] + [
     },
     {"type": "web_search_20250305", "name": "web_search", "max_uses": 5},  # run by Anthropic's servers: dropped
 ]
-SYSTEM = [
+SYSTEM: list[Any] = [
     {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197; cc_entrypoint=sdk-cli;"},
     {"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}},
     {"type": "text", "text": "Answer in one short sentence.", "cache_control": {"type": "ephemeral"}},
