@@ -21,7 +21,13 @@ import anthropic
 import httpx
 import pytest
 
+from daemon.bodies import BodyTooLarge
+from daemon.compat import anthropic_error
 from daemon.routes import anthropic as anth
+from daemon.runners.engine import PROMPT_TOO_LONG
+from daemon.runners.process import RunnerRequestError
+from daemon.scheduler import QueueFull
+from registry.errors import CorralError, ModelNotFound
 from tests.conftest import Daemon, start_daemon, stop_daemon
 
 pytestmark = pytest.mark.real_model
@@ -335,3 +341,30 @@ def test_a_wrong_key_in_anthropics_words(keyed: Daemon) -> None:
     assert r.status_code == 401
     assert r.json()["error"]["type"] == "authentication_error"
     assert r.json()["error"]["message"].startswith("invalid x-api-key")  # what clients match on
+
+
+def test_the_error_shape_per_case() -> None:
+    """Each case's status, type and the words clients match on (Claude Code: "prompt is too long" starts its
+    compaction, '"model: ' is its model-not-found, "overloaded_error" its back-off)."""
+
+    def shape(exc: Exception) -> tuple[int, str, str, dict[str, str]]:
+        r = anthropic_error(exc)
+        body = json.loads(bytes(r.body))
+        assert body["type"] == "error" and body["request_id"] == r.headers["request-id"]
+        return r.status_code, body["error"]["type"], body["error"]["message"], dict(r.headers)
+
+    long = RunnerRequestError(f"{PROMPT_TOO_LONG} (prompt: 22322 positions, context length: 4096)")
+    assert shape(long)[:2] == (400, "invalid_request_error")
+    assert shape(long)[2].startswith("prompt is too long: the prompt is longer than the context length")
+    assert shape(ModelNotFound("qwen3"))[:3] == (
+        404,
+        "not_found_error",
+        "model: qwen3 (not found here: `corral list` shows the models, `corral pull <name>` gets one)",
+    )
+    status, kind, _, headers = shape(QueueFull())
+    assert (status, kind, headers["retry-after"]) == (503, "overloaded_error", "1")
+    assert shape(BodyTooLarge("request body is larger than 67108864 bytes"))[:2] == (413, "request_too_large")
+    assert shape(CorralError("runner crashed"))[:2] == (500, "api_error")
+    assert shape(CorralError("forbidden", status=403))[:2] == (403, "permission_error")
+    assert shape(CorralError("slow down", status=429))[:2] == (429, "rate_limit_error")
+    assert shape(CorralError("gone", status=409))[:2] == (409, "invalid_request_error")
