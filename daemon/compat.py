@@ -11,16 +11,18 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
+import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from daemon.bodies import read_body
+from daemon.bodies import BodyTooLarge, read_body
 from daemon.errors import error_headers, status_for
 from daemon.streaming import LiveStream
-from registry.errors import CorralError, InvalidRequest
+from registry.errors import CorralError, InvalidRequest, ModelNotFound
 
 log = logging.getLogger(__name__)
 Handler = Callable[..., Awaitable[Response]]
@@ -127,22 +129,23 @@ def openai_error(exc: BaseException) -> JSONResponse:
     )
 
 
+_PROMPT_SIZES = re.compile(r"prompt: (\d+) (?:tokens|positions), context length: (\d+)")
+
+
 def anthropic_error(exc: BaseException) -> JSONResponse:
     """Anthropic's error body, ``{"type": "error", "error": {"type", "message"}, "request_id"}``, with the error
     types its API gives each status, and its wording where clients act on it: a missing model says ``model: <name>``
     (Claude Code's "model not found"), a prompt longer than the context starts ``prompt is too long`` (Claude
-    Code's compaction), an overfull body is 413 ``request_too_large``."""
-    import secrets  # here, not at the top: this function is the Anthropic layer's part of this module
-
-    from daemon.bodies import BodyTooLarge
-    from registry.errors import ModelNotFound
-
+    Code's compaction, which reads the sizes from ``N tokens > M maximum``), an overfull body is 413
+    ``request_too_large``."""
     status = status_for(exc)
     message = str(exc)
     if isinstance(exc, ModelNotFound) and exc.name:
         message = f"model: {exc.name} (not found here: `corral list` shows the models, `corral pull <name>` gets one)"
     elif status == 400 and ("longer than the context length" in message or "exceeds the context length" in message):
-        message = f"prompt is too long: {message}"
+        sizes = _PROMPT_SIZES.search(message)
+        said = f"{sizes[1]} tokens > {sizes[2]} maximum: " if sizes else ""
+        message = f"prompt is too long: {said}{message}"
     elif isinstance(exc, BodyTooLarge):
         status = 413
     kind = {

@@ -14,6 +14,7 @@ with the newer tool fields and a server tool added; ``thinking: {"type": "adapti
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -355,7 +356,11 @@ def test_the_error_shape_per_case() -> None:
 
     long = RunnerRequestError(f"{PROMPT_TOO_LONG} (prompt: 22322 positions, context length: 4096)")
     assert shape(long)[:2] == (400, "invalid_request_error")
-    assert shape(long)[2].startswith("prompt is too long: the prompt is longer than the context length")
+    said = shape(long)[2]
+    assert said.startswith("prompt is too long: 22322 tokens > 4096 maximum: the prompt is longer than the context")
+    # Claude Code reads the sizes with this expression (its compaction sizes what to drop from them)
+    sizes = re.search(r"prompt is too long[^0-9]*(\d+)\s*tokens?\s*>\s*(\d+)", said, re.IGNORECASE)
+    assert sizes is not None and sizes.groups() == ("22322", "4096")
     assert shape(ModelNotFound("qwen3"))[:3] == (
         404,
         "not_found_error",
