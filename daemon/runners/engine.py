@@ -6,16 +6,17 @@ what it computes alone) and remembers the tokens it holds.
 A new request takes the idle slot whose tokens share the longest prefix with its prompt (a prefix held by a busy
 slot is copied over with ``llama_memory_seq_cp``) and evaluates only the rest. A prefix that another sequence is
 evaluating right now (the choices of a request with ``n`` > 1, concurrent requests with one system prompt) is waited
-for and then copied, so it is evaluated once; the last prompt token is evaluated per sequence, which gives each its
-own logits for its first token. Every step puts one token for each decoding sequence in the batch and fills what is
-left of ``n_batch`` with chunks of waiting prompts, so newcomers join at the next step while the others keep
-decoding; finished or cancelled sequences leave at once. When a slot is about to be overwritten, the sequence it
-holds is saved to host RAM (``llama_state_seq_*``, within ``cache_bytes``, least recently saved dropped first); a
-later request whose prompt continues a saved sequence further than any slot does gets it restored instead of
-evaluating it again (a conversation that lost its slot to other users comes back without re-reading its history).
-Sampling is vectorised over all rows (``sampling.py``; a request's logit_bias is added to its own row only);
-grammars (JSON, JSON schema) are applied per sequence with llama.cpp's grammar sampler. A sequence that fills its
-``num_ctx`` shifts its context like Ollama (keep ``num_keep``, drop half of the rest) unless ``shift`` is false.
+for and then copied, so it is evaluated once; a sequence with the same whole prompt also takes the KV of its last
+token and the logits its first token is sampled from (with its own sampler and seed), so a greedy choice is exactly
+its leader's answer. Every step puts one token for each decoding sequence in the batch and fills what is left of
+``n_batch`` with chunks of waiting prompts, so newcomers join at the next step while the others keep decoding;
+finished or cancelled sequences leave at once. When a slot is about to be overwritten, the sequence it holds is
+saved to host RAM (``llama_state_seq_*``, within ``cache_bytes``, least recently saved dropped first); a later
+request whose prompt continues a saved sequence further than any slot does gets it restored instead of evaluating it
+again (a conversation that lost its slot to other users comes back without re-reading its history). Sampling is
+vectorised over all rows (``sampling.py``; a request's logit_bias is added to its own row only); grammars (JSON,
+JSON schema) are applied per sequence with llama.cpp's grammar sampler. A sequence that fills its ``num_ctx`` shifts
+its context like Ollama (keep ``num_keep``, drop half of the rest) unless ``shift`` is false.
 
 Prompts with images (docs/vision.md) come as the media prompt's cache key: token ids for text, and negative
 entries, derived from each image's hash, for its positions. So the prompt cache compares images by content and never
@@ -155,6 +156,8 @@ class Seq:
     # nothing, and copies the KV once ``leader`` has evaluated ``lead_to`` tokens (or stopped)
     leader: Seq | None = None
     lead_to: int = 0
+    # the raw logits of its first token, kept for followers with the same whole prompt (``_start_twin``)
+    first_row: np.ndarray | None = None
 
 
 class Engine:
@@ -443,8 +446,10 @@ class Engine:
         for slot in self.slots:
             seq = slot.seq
             if seq is not None and seq.leader is not None and not seq.cancelled and not self._leading(seq):
+                leader = seq.leader
                 seq.leader, seq.lead_to = None, 0
-                self._place(seq, slot)
+                if not self._start_twin(seq, leader):
+                    self._place(seq, slot)
         while self.waiting:
             free = [s for s in self.slots if s.seq is None]
             if not free:
@@ -463,8 +468,8 @@ class Engine:
         another sequence is evaluating a longer prefix of this prompt right now (the choices of a request with
         ``n`` > 1, or concurrent requests with one system prompt): then ``seq`` follows it (``_leader``) and is
         placed again once that prefix is in the leader's slot, so the prefix is evaluated once, not once per
-        sequence. The last prompt token is always left to evaluate: each sequence gets its own logits row for its
-        first token."""
+        sequence. Otherwise the last prompt token is always left to evaluate: a sequence needs a logits row for its
+        first token (a follower with the same whole prompt takes its leader's: ``_start_twin``)."""
         n = len(seq.prompt)
         reuse = min(common_prefix(best.tokens, seq.prompt), n - 1)
         donor = max(self.slots, key=lambda s: common_prefix(s.tokens, seq.prompt))
@@ -522,7 +527,9 @@ class Engine:
                 continue
             if not (other.pending or other.rest):
                 continue
-            n = min(common_prefix(other.prompt, seq.prompt), len(seq.prompt) - 1)
+            common = common_prefix(other.prompt, seq.prompt)
+            # the same whole prompt: all of it (and the leader's first logits); else all but the last token
+            n = common if common == len(seq.prompt) == len(other.prompt) else min(common, len(seq.prompt) - 1)
             if seq.media is not None and n > seq.media_base:
                 n = seq.media_base + seq.media.safe_prefix(n - seq.media_base)
             if n > len(slot.tokens) and n > found_len:
@@ -541,6 +548,42 @@ class Engine:
             and bool(leader.pending or leader.rest)
             and len(slot.tokens) < seq.lead_to
         )
+
+    def _start_twin(self, seq: Seq, leader: Seq) -> bool:
+        """A follower with its leader's whole prompt starts as the leader did: the leader's KV copied whole, and its
+        first token sampled (with its own sampler, seed and grammar) from the logits the leader's first token came
+        from. So its state is the leader's bit for bit, and a greedy choice is the leader's answer: evaluating the
+        last prompt token again, in another batch, gives logits that differ in the last bits, enough to change a
+        near tie. False when the leader stopped before its prompt's end (the follower is placed as a newcomer)."""
+        row, slot, n = leader.first_row, seq.slot, len(seq.prompt)
+        if row is None or slot is None or leader.prompt != seq.prompt:
+            return False
+        donor = next((s for s in self.slots if common_prefix(s.tokens, seq.prompt) == n), None)
+        if donor is None:
+            return False
+        if donor is not slot:
+            if len(slot.tokens) - common_prefix(slot.tokens, seq.prompt) >= SAVE_MIN_TOKENS:
+                self._save(slot)  # what it holds is about to be overwritten
+            self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+            self.lc.llama_memory_seq_cp(self.mem, donor.seq_id, slot.seq_id, -1, -1)
+        self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, n, -1)  # the leader's tokens since
+        slot.tokens = list(seq.prompt)
+        seq.pending, seq.rest, seq.prompt_cached = [], [], n
+        row = row.copy()
+        raw = row.copy() if seq.top_logprobs is not None else None
+        if seq.grammar is not None:
+            self._constrain(row, seq.grammar)
+        token = sample_rows(row[None, :], [seq.sampler], [slot.tokens])[0]
+        seq.first_at, self._first_token = time.perf_counter_ns(), True
+        self._accept(seq, token, raw)
+        return True
+
+    def _keep_first_row(self, seq: Seq, row: np.ndarray) -> None:
+        """Keep a copy of ``seq``'s first logits (before sampling penalises them in place) when a follower waits for
+        its whole prompt."""
+        n = len(seq.prompt)
+        if any(s.seq is not None and s.seq.leader is seq and s.seq.lead_to == n for s in self.slots):
+            seq.first_row = row.copy()
 
     def _compact(self) -> None:
         """Keep the busy slots together: when a free slot lies between busy ones, move the sequence in the highest
@@ -624,6 +667,7 @@ class Engine:
         if not seq.pending and not seq.rest:  # the prompt ended with it: its logits are the last decode's only row
             now = time.perf_counter_ns()
             row = self._logits(1)[0]
+            self._keep_first_row(seq, row)
             raw = row.copy() if seq.top_logprobs is not None else None
             if seq.grammar is not None:
                 self._constrain(row, seq.grammar)
@@ -782,6 +826,9 @@ class Engine:
         now = time.perf_counter_ns()
         # a view of llama.cpp's logits, not a copy: they are read (and penalised in place) before the next decode
         logits = self._logits(len(outputs))
+        for i, q in enumerate(outputs):
+            if q.first_at == 0:
+                self._keep_first_row(q, logits[i])
         samplers = [q.sampler for q in outputs]
         windows = [q.slot.tokens if q.slot else [] for q in outputs]
         if not any(q.top_logprobs is not None or q.grammar is not None for q in outputs):

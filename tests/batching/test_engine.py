@@ -223,6 +223,32 @@ def test_second_turn_reuses_the_cached_history(batched: Daemon) -> None:
     assert second["prompt_eval_duration"] < first["prompt_eval_duration"]
 
 
+@pytest.mark.real_model
+@pytest.mark.skipif(SMOL is None, reason="SmolLM2 is not cached")
+def test_one_prompt_sent_three_times_at_once_is_evaluated_once(batched: Daemon) -> None:
+    """Three requests with one long prompt at the same moment (an app's parallel calls, or ``n`` = 3): the prompt is
+    evaluated once and copied to the other two (each evaluates only its last token), and each greedy answer is the
+    one a request alone gets; then ``n`` = 3 through ``/v1/completions`` gives three equal greedy choices."""
+    prompt = "Here are the measurements of the day. " + " ".join(f"At {i} h it was {i * 37 % 23} C." for i in range(80))
+    before = cached(batched)
+    with cf.ThreadPoolExecutor(3) as ex:
+        answers = list(ex.map(lambda _: gen(batched, "smol", prompt, num_predict=8), range(3)))
+    reused = cached(batched) - before
+    count = answers[0]["prompt_eval_count"]
+    assert isinstance(count, int) and count > 500
+    # two copies of all but the last token (and whatever template prefix earlier tests left in the slots)
+    assert 2 * (count - 1) <= reused < 2 * (count - 1) + count // 4, reused
+    assert len({a["response"] for a in answers}) == 1
+    r = httpx.post(
+        batched.url + "/v1/completions",
+        json={"model": "smol", "prompt": prompt + " Next:", "n": 3, "max_tokens": 8, "temperature": 0},
+        timeout=300,
+    )
+    r.raise_for_status()
+    texts = [c["text"] for c in r.json()["choices"]]
+    assert len(texts) == 3 and len(set(texts)) == 1
+
+
 def test_a_client_that_leaves_frees_its_slot(tmp_path: Path) -> None:
     d = start_daemon(tmp_path / "models", tmp_path / "daemon.log", {"CORRAL_NUM_PARALLEL": "1"})
     try:

@@ -1,7 +1,8 @@
-"""Sequences with one prompt share its evaluation (engine._place / _leader): the choices of a request with ``n`` > 1,
-or concurrent requests with one system prompt, evaluate the common prefix once; the others wait for it and copy its
-KV (``llama_memory_seq_cp``), then evaluate their own last token (their own logits for their first sample). Greedy
-choices are what the request gives alone; a leader that leaves mid-prompt does not leave its followers hanging.
+"""Sequences with one prompt share its evaluation (engine._place / _leader / _start_twin): the choices of a request
+with ``n`` > 1, or concurrent requests with one system prompt, evaluate the common prefix once; the others wait for it
+and copy its KV (``llama_memory_seq_cp``). A follower with the same whole prompt also takes the leader's first logits
+(and samples them with its own sampler); one with another ending evaluates its own tail. Greedy choices are what the
+request gives alone; a leader that leaves mid-prompt does not leave its followers hanging.
 
 The count of evaluated tokens is llama.cpp's own: every token of every ``llama_decode`` batch."""
 
@@ -123,10 +124,10 @@ def test_n_choices_evaluate_the_prompt_once(tiny: Path, runner: tuple[Runner, Ch
     together(r, [(rid, prompt, params()) for rid in (1, 2, 3)])
     ends = wait_done(chan, [1, 2, 3])
     assert all(e["type"] == "done" for e in ends.values()), ends
-    # one prompt's worth and each follower's last token, then PREDICT - 1 decoded tokens per choice (the last
-    # sampled one is never decoded): not three prompts' worth
-    assert counted.tokens == len(prompt) + 2 + 3 * (PREDICT - 1)
-    assert sorted(e["prompt_cached"] for e in ends.values()) == [0, len(prompt) - 1, len(prompt) - 1]
+    # one prompt's worth, then PREDICT - 1 decoded tokens per choice (the last sampled one is never decoded): not
+    # three prompts' worth
+    assert counted.tokens == len(prompt) + 3 * (PREDICT - 1)
+    assert sorted(e["prompt_cached"] for e in ends.values()) == [0, len(prompt), len(prompt)]
     assert all(e["prompt_eval_count"] == len(prompt) for e in ends.values())
     assert [text_of(chan, rid) for rid in (1, 2, 3)] == [expected] * 3
 
@@ -146,8 +147,8 @@ def test_a_newcomer_waits_for_a_prompt_being_evaluated(tiny: Path) -> None:
         r.engine.submit(1, prompt, params())
         ends = wait_done(chan, [1, 2])
         assert all(e["type"] == "done" for e in ends.values()), ends
-        assert ends[2]["prompt_cached"] == len(prompt) - 1
-        assert counted.tokens == len(prompt) + 1 + 2 * (PREDICT - 1)
+        assert ends[2]["prompt_cached"] == len(prompt)
+        assert counted.tokens == len(prompt) + 2 * (PREDICT - 1)
         assert text_of(chan, 1) == text_of(chan, 2)
     finally:
         r.close()
@@ -187,9 +188,9 @@ def test_followers_go_on_when_their_leader_is_cancelled_mid_prompt(tiny: Path) -
         assert all(e["type"] == "done" for e in ends.values()), ends
         assert ends[1]["eval_count"] == 0
         assert text_of(chan, 2) == text_of(chan, 3) == expected
-        assert sorted(ends[rid]["prompt_cached"] for rid in (2, 3)) == [128, len(prompt) - 1]
-        # the leader's two chunks and the rest once, one last token, and the two choices' tokens
-        assert counted.tokens == len(prompt) + 1 + 2 * (PREDICT - 1)
+        assert sorted(ends[rid]["prompt_cached"] for rid in (2, 3)) == [128, len(prompt)]
+        # the leader's two chunks and the rest once, and the two choices' tokens
+        assert counted.tokens == len(prompt) + 2 * (PREDICT - 1)
     finally:
         r.close()
 
@@ -213,9 +214,7 @@ def test_a_cancelled_follower_leaves_and_the_others_go_on(tiny: Path, runner: tu
 def test_smollm2_choices_share_the_prompt_greedy_as_alone_sampled_apart() -> None:
     """SmolLM2, a ~400-token prompt, four choices (as the daemon's fan-out of ``n`` sends them): about one prompt
     evaluated, not four; the greedy choices equal the answer alone; sampled choices with their own seeds differ
-    (each choice keeps its own random generator). A sampled choice is not compared with its seed alone: a prompt
-    served from the KV cache (as any repeated prompt) evaluates its last token in a one-token batch, and the
-    slightly different logits send a sampled text elsewhere; greedy text does not move."""
+    (each choice keeps its own random generator)."""
     assert SMOL is not None
     spec = {"num_ctx": 1024, "num_parallel": 4}
     text = " ".join(
@@ -233,9 +232,9 @@ def test_smollm2_choices_share_the_prompt_greedy_as_alone_sampled_apart() -> Non
         together(r, jobs)
         ends = wait_done(chan, [1, 2, 3, 4], timeout=600)
         assert all(e["type"] == "done" for e in ends.values()), ends
-        # one prompt and three last tokens, then the choices' tokens (all but the last sampled, unless it ended them)
+        # one prompt, then the choices' tokens (all but the last sampled, unless it ended them)
         decoded = sum(e["eval_count"] for e in ends.values())
-        assert len(prompt) + 3 + decoded - 4 <= counted.tokens <= len(prompt) + 3 + decoded
+        assert len(prompt) + decoded - 4 <= counted.tokens <= len(prompt) + decoded
         got = {rid: text_of(chan, rid) for rid in (1, 2, 3, 4)}
     finally:
         r.close()
@@ -286,7 +285,18 @@ def test_images_are_shared_only_with_the_same_image() -> None:
                 r.handle(req(rid, image))
         ends = wait_done(chan, [1, 2, 3])
         assert all(e["type"] == "done" for e in ends.values()), ends
-        assert [ends[rid]["prompt_cached"] for rid in (1, 2, 3)] == [0, len(keys) - 1, before_image]
+        assert [ends[rid]["prompt_cached"] for rid in (1, 2, 3)] == [0, len(keys), before_image]
         assert [text_of(chan, rid) for rid in (1, 2, 3)] == [expected["A"], expected["A"], expected["B"]]
     finally:
         r.close()
+
+
+def test_a_twin_asking_for_logprobs_gets_them_for_its_first_token(runner: tuple[Runner, Chan, Counted]) -> None:
+    r, chan, _ = runner
+    prompt = prompt_of(200, seed=5)
+    together(r, [(1, prompt, params()), (2, prompt, params(logprobs=2))])
+    ends = wait_done(chan, [1, 2])
+    assert ends[2]["type"] == "done" and ends[2]["prompt_cached"] == len(prompt), ends
+    pieces = [m for m in chan.msgs if m.get("id") == 2 and m.get("type") == "token"]
+    assert len(pieces) == PREDICT and all(len(m["logprobs"]["top_logprobs"]) == 2 for m in pieces)
+    assert "".join(m["text"] for m in pieces) == text_of(chan, 1)
