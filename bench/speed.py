@@ -5,7 +5,8 @@ Usage:
   .venv/bin/python bench/speed.py passes
   .venv/bin/python bench/speed.py cpu [--streams 1,16] [--tokens 96] [--seconds 12] [--rounds 2] [CONFIG ...]
   bench/setup_peers.sh && .venv/bin/python bench/speed.py ab [--streams 1,4,8,16] [--tokens 96] [--rounds 5]
-      [--bursts 3] [CONFIG ... (default: corral llama-server)]
+      [--bursts 3] [--api generate|completions|completions-raw|chat] [--prompt bench|story]
+      [CONFIG ... (default: corral llama-server)]
 
 ``profile`` starts corral (``CORRAL_NUM_PARALLEL=16``), and at each load level keeps that many greedy streamed
 completions going for ``--seconds`` while py-spy samples the runner child and the daemon (non-blocking, 200 Hz,
@@ -28,13 +29,30 @@ the medians of the per-round ratios to the last configuration (llama-server) of 
 first token p50 and p95. A CONFIG is ``llama-server`` or ``corral`` with environment settings
 (``corral:NAME=VALUE,NAME=VALUE``), as in bench/ab.py; ``corral@DIR`` runs the corral checked out in DIR (``git
 worktree add /tmp/before ac8d809``) instead of this one. Both servers and the load come from bench/batching.py
-(SmolLM2-135M-Instruct Q4_1, greedy, streamed).
+(SmolLM2-135M-Instruct Q4_1, greedy, streamed, no repeat penalty).
+
+``--api`` picks the API each server is spoken to through (TTFT: the first line or SSE event with text in it, at the
+client):
+
+* ``generate`` (the default): corral's ``/api/generate`` with ``raw``, llama-server's ``/v1/completions``: the
+  same prompt tokens on both;
+* ``completions``: ``/v1/completions`` on both. corral applies the model's chat template there, as Ollama does
+  (llama-server does not), so it evaluates the template's tokens as well (for SmolLM2 and a new prompt of a few
+  words, about twice as many);
+* ``completions-raw``: ``/v1/completions`` on both, with corral's ``raw`` (no template): the same prompt tokens
+  on both, so it measures what the OpenAI layer itself costs;
+* ``chat``: ``/v1/chat/completions`` on both, one user message (both apply the model's chat template).
+
+``--prompt`` picks the prompts: ``bench`` (bench/batching.py's, stream i: prompt i mod 4 plus "(reader i)"), or
+``story`` (issue 25's: "Story number i: Once upon a time", i the stream's index in its burst).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import contextlib
+import json
 import os
 import statistics
 import subprocess
@@ -43,6 +61,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -112,7 +131,7 @@ def daemon_category(stack: list[str]) -> str:
 
 
 def read_raw(path: Path) -> list[tuple[list[str], int]]:
-    out = []
+    out: list[tuple[list[str], int]] = []
     if not path.exists():
         return out
     for line in path.read_text().splitlines():
@@ -282,7 +301,9 @@ def ab(args: argparse.Namespace) -> None:
             for n in levels:
                 k = (r + n) % len(up)  # the order rotates with the round and the level
                 for name, server in up[k:] + up[:k]:
-                    runs[name][n].append(bursts(server, n, args.tokens, max(args.bursts, -(-16 // n))))
+                    runs[name][n].append(
+                        bursts(server, n, args.tokens, max(args.bursts, -(-16 // n)), args.api, args.prompt)
+                    )
             print(
                 f"round {r + 1}: "
                 + "  |  ".join(
@@ -298,17 +319,83 @@ def ab(args: argparse.Namespace) -> None:
     print("\n".join(render(runs, levels, args)))
 
 
-def bursts(server: batching.Corral, streams: int, tokens: int, count: int) -> dict[str, float]:
-    """``count`` bursts of ``streams`` simultaneous requests one after another (bench/batching.py's load test),
-    pooled: aggregate tokens/s over the bursts' time, TTFT percentiles over all ``count * streams`` requests (at one
-    stream a single request's first token is too few to take a median of)."""
+def bursts(
+    server: batching.Corral, streams: int, tokens: int, count: int, api: str = "generate", prompt: str = "bench"
+) -> dict[str, float]:
+    """``count`` bursts of ``streams`` simultaneous requests one after another, pooled: aggregate tokens/s over the
+    bursts' time, TTFT percentiles over all ``count * streams`` requests (at one stream a single request's first
+    token is too few to take a median of)."""
     tokens_done, wall, ttfts = 0.0, 0.0, []
     for _ in range(count):
-        r = batching.load_test(server, streams, tokens, keep=True)
-        tokens_done += r["tps"] * r["wall"]
+        r = load(server, streams, tokens, api, prompt)
+        tokens_done += r["tokens"]
         wall += r["wall"]
         ttfts += r["ttfts"]
     return {"tps": tokens_done / wall, "p50": batching.pct(ttfts, 0.5), "p95": batching.pct(ttfts, 0.95)}
+
+
+APIS = ("generate", "completions", "completions-raw", "chat")
+
+
+def prompts(kind: str, streams: int) -> list[str]:
+    if kind == "story":
+        return [f"Story number {i}: Once upon a time" for i in range(streams)]
+    return [batching.PROMPTS[i % len(batching.PROMPTS)] + f" (reader {i})" for i in range(streams)]
+
+
+def load(server: batching.Corral, streams: int, tokens: int, api: str, prompt: str) -> dict[str, Any]:
+    """``streams`` simultaneous greedy streamed requests through ``api``: the tokens generated, the wall time from
+    the first request to the last token, and each request's time to first token (ms)."""
+    if api == "generate":  # bench/batching.py's own requests (corral: /api/generate raw; peers: /v1/completions)
+        start = time.perf_counter()
+        with cf.ThreadPoolExecutor(streams) as ex:
+            done = list(ex.map(lambda p: server.stream(p, tokens), prompts(prompt, streams)))
+    else:
+        start = time.perf_counter()
+        with cf.ThreadPoolExecutor(streams) as ex:
+            done = list(ex.map(lambda p: openai_stream(server, api, p, tokens), prompts(prompt, streams)))
+    wall = time.perf_counter() - start
+    return {"tokens": sum(count for _, count in done), "wall": wall, "ttfts": [first * 1000 for first, _ in done]}
+
+
+def openai_stream(server: batching.Corral, api: str, prompt: str, tokens: int) -> tuple[float, int]:
+    """One streamed request through ``/v1/completions`` or ``/v1/chat/completions``: seconds to the first SSE event
+    with text in it, and the completion tokens (``usage``; the text events where a server leaves usage out)."""
+    chat = api == "chat"
+    body: dict[str, Any] = {
+        "model": "bench",
+        "max_tokens": tokens,
+        **batching.SAMPLING,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if isinstance(server, batching.OpenAIPeer):
+        body["repeat_penalty"] = 1.0  # llama-server's own field
+    else:
+        body["options"] = {"repeat_penalty": 1.0}  # corral: any Ollama option (its default penalty is 1.1)
+        if api == "completions-raw":
+            body["raw"] = True
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    start, first, events, usage = time.perf_counter(), 0.0, 0, 0
+    with batching.CLIENT.stream("POST", server.url + path, json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if obj.get("usage"):
+                usage = int(obj["usage"].get("completion_tokens") or 0)
+            for choice in obj.get("choices") or []:
+                text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                if text:
+                    events += 1
+                    if not first:
+                        first = time.perf_counter() - start
+    return first, usage or events
 
 
 def render(
@@ -320,7 +407,8 @@ def render(
     configs = " ".join(names)
     lines = [
         f"Command: `bench/setup_peers.sh && .venv/bin/python bench/speed.py ab --streams {args.streams} "
-        f"--tokens {args.tokens} --rounds {args.rounds} --bursts {args.bursts} {configs}`",
+        f"--tokens {args.tokens} --rounds {args.rounds} --bursts {args.bursts} --api {args.api} "
+        f"--prompt {args.prompt} {configs}`",
         "",
         f"| streams | configuration | tok/s / {base} | TTFT p50 / {base} | TTFT p95 / {base} | tok/s | "
         "TTFT p50 / p95 (ms) | tok/s ratio, each round | TTFT p50 ratio, each round |",
@@ -465,6 +553,8 @@ def main() -> None:
     a.add_argument("--tokens", type=int, default=96)
     a.add_argument("--rounds", type=int, default=5)
     a.add_argument("--bursts", type=int, default=3, help="bursts of simultaneous requests per level and round")
+    a.add_argument("--api", choices=APIS, default="generate", help="the API the servers are spoken to through")
+    a.add_argument("--prompt", choices=("bench", "story"), default="bench", help="bench/batching.py's or issue 25's")
     a.add_argument("configs", nargs="*", default=["corral", "llama-server"], help="the last is the reference")
     c = sub.add_parser("cpu")
     c.add_argument("--streams", default="1,16")
