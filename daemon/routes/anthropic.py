@@ -356,7 +356,9 @@ async def messages(request: Request) -> Response:
     mid = f"msg_{secrets.token_hex(12)}"
     if not stream:
         return JSONResponse(await _whole(first, rest, mid, req.model_name))
-    return sse_response(guarded(_events(first, rest, mid, req.model_name, run.prompt_tokens or 0), rest, _error_event))
+    return sse_response(
+        guarded(_events(first, rest, mid, req.model_name, await run.prompt_count() or 0), rest, _error_event)
+    )
 
 
 async def _whole(first: Event | None, rest: AsyncIterator[Event], mid: str, model: str) -> dict[str, Any]:

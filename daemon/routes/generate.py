@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import logging
@@ -188,11 +189,24 @@ async def _events(
 
 class Run:
     """A started generation: its events (an async iterator; ``aclose()`` stops it) and, when asked for, the
-    prompt's length in tokens before the first event (Anthropic's message_start says it)."""
+    prompt's length in tokens (Anthropic's message_start says it before the first event): ``counting`` is the
+    runner's tokenization of the prompt, asked for alongside the generation rather than before it, so that its
+    round trip to the runner is not on the way to the first token; :meth:`prompt_count` waits for it."""
 
-    def __init__(self, events: AsyncIterator[Event], prompt_tokens: int | None = None) -> None:
+    def __init__(self, events: AsyncIterator[Event], counting: asyncio.Future[list[int]] | None = None) -> None:
         self.events = events
-        self.prompt_tokens = prompt_tokens
+        self._counting = counting
+
+    async def prompt_count(self) -> int | None:
+        """The prompt's length in tokens (None when it was not asked for). If the runner could not count it, the
+        generation is stopped and the error raised (an error answer, as when the count came first)."""
+        if self._counting is None:
+            return None
+        try:
+            return len(await self._counting)
+        except BaseException:
+            await self.aclose()
+            raise
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self.events
@@ -201,6 +215,8 @@ class Run:
         return await self.events.__anext__()
 
     async def aclose(self) -> None:
+        if self._counting is not None:
+            self._counting.cancel()  # nothing once it is done
         await self.events.aclose()  # type: ignore[attr-defined]
 
 
@@ -438,9 +454,9 @@ async def run_chat(
     relax_think: bool = False,
 ) -> tuple[dict[str, Any] | None, Run | None]:
     """Check ``req`` and start it: ``(final, None)`` for a load or unload (Ollama's object), else ``(None, run)``.
-    Errors before the first event raise. ``count_prompt``: tokenize the prompt first and say its length on the run
-    (for a stream that must say it before the end, as Anthropic's message_start does). ``relax_think``: see
-    :func:`_think`.
+    Errors before the first event raise. ``count_prompt``: have the runner count the prompt's tokens alongside the
+    generation (``await run.prompt_count()``; for a stream that must say it before the end, as Anthropic's
+    message_start does). ``relax_think``: see :func:`_think`.
 
     With ``format`` on a model that thinks, the answer is constrained only after the thinking (as newest Ollama
     does): the model thinks freely; at the first answer text the generation stops and starts again from the prompt
@@ -490,18 +506,22 @@ async def run_chat(
     lease = await inf.acquire(ctx, spec, keep_alive)
     try:
         text = await render_chat(lease, ctx, msgs, tools or None, spec.num_ctx, req.truncate, think)
-        prompt_count = len(await lease.runner.tokenize(text)) if count_prompt else None
     except BaseException:
         lease.release()
         raise
     pipeline.rendered(parser, ctx.chat, text)
     if inf.settings.log_prompts:
         note(prompt=text)
+    prompt_text = text
     text, ordered = media.media_prompt(text, images)
     defer_format = req.format is not None and req.format != "" and thinks
     params = _with_logprobs(inf.sample_params(opts, None if defer_format else req.format), req)
     greq = GenerateRequest(prompt=text, params=params, shift=req.shift, truncate=req.truncate, images=ordered)
     first = _events(lease, greq, EventStream(parser, req.tools), started)
+    # counted by the runner while it starts generating (the lease is held until the generation ends or is closed)
+    prompt_count = asyncio.ensure_future(lease.runner.tokenize(prompt_text)) if count_prompt else None
+    if prompt_count is not None:  # a count nobody waits for (the generation failed first) is not an error to log
+        prompt_count.add_done_callback(lambda f: f.cancelled() or f.exception())
     if not defer_format:
         return None, Run(first, prompt_count)
 

@@ -35,11 +35,14 @@ GIVE_UP = 20.0  # seconds the fake waits for the client's word before producing 
 
 
 class Gate:
-    """What the client has read, and what the runner had been told when it produced its second token."""
+    """What the client has read, and what the runner had been told when it produced its second token; and for a
+    prompt's token count (Anthropic's message_start), whether the generation had started when it was asked."""
 
     def __init__(self) -> None:
         self.first_chunk_read = threading.Event()
         self.second_token_after_read: bool | None = None
+        self.generating = threading.Event()
+        self.counted_while_generating: bool | None = None
 
 
 class GatedRunner(FakeRunner):
@@ -49,6 +52,7 @@ class GatedRunner(FakeRunner):
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Event]:
         gate = GatedRunner.gate
+        gate.generating.set()
         yield Token("Once")
         deadline = time.monotonic() + GIVE_UP
         while not gate.first_chunk_read.is_set() and time.monotonic() < deadline:
@@ -57,6 +61,16 @@ class GatedRunner(FakeRunner):
         yield Token(" upon")
         yield Token(" a time")
         yield Done("stop", 3, 1, 3, 1)
+
+    async def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        """Counts the prompt only once the generation has started (or after ``GIVE_UP``): a route that waited for
+        the count before starting the generation would wait the whole ``GIVE_UP``."""
+        gate = GatedRunner.gate
+        deadline = time.monotonic() + GIVE_UP
+        while not gate.generating.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        gate.counted_while_generating = gate.generating.is_set()
+        return await super().tokenize(text, add_special=add_special)
 
 
 def _factory(ref: ModelRef, spec: LoadSpec) -> GatedRunner:
@@ -162,6 +176,22 @@ def test_anthropic_messages_first_chunk_before_second_token(gated: str) -> None:
             yield from stream.text_stream
 
     _check_first_chunk(read)
+
+
+def test_anthropic_counts_the_prompt_while_the_generation_starts(gated: str) -> None:
+    """message_start says the prompt's exact length, which the runner counts; the count is asked for alongside the
+    generation, not before it (a round trip to the runner on the way to the first token)."""
+    GatedRunner.gate = gate = Gate()
+    gate.first_chunk_read.set()
+    client = anthropic.Anthropic(base_url=gated, api_key="corral", max_retries=0)
+    content = "Story number 0"
+    with client.messages.stream(model="gated", max_tokens=16, messages=[{"role": "user", "content": content}]) as s:
+        events = list(s)
+    start = next(e for e in events if e.type == "message_start")
+    assert gate.counted_while_generating is True, "the prompt was counted before the generation started"
+    # the fake counts one token per character of the rendered prompt (the tiny model's template: the message)
+    assert start.message.usage.input_tokens >= len(content)
+    assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == "Once upon a time"
 
 
 def test_ollama_generate_first_chunk_before_second_token(gated: str) -> None:
