@@ -558,7 +558,8 @@ class Engine:
         row, slot, n = leader.first_row, seq.slot, len(seq.prompt)
         if row is None or slot is None or leader.prompt != seq.prompt:
             return False
-        donor = next((s for s in self.slots if common_prefix(s.tokens, seq.prompt) == n), None)
+        places = ([leader.slot] if leader.slot is not None else []) + self.slots  # the leader's own KV first
+        donor = next((s for s in places if common_prefix(s.tokens, seq.prompt) == n), None)
         if donor is None:
             return False
         if donor is not slot:
