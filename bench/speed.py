@@ -31,8 +31,9 @@ first token p50 and p95. A CONFIG is ``llama-server`` or ``corral`` with environ
 worktree add /tmp/before ac8d809``) instead of this one. Both servers and the load come from bench/batching.py
 (SmolLM2-135M-Instruct Q4_1, greedy, streamed, no repeat penalty).
 
-``--api`` picks the API each server is spoken to through (TTFT: the first line or SSE event with text in it, at the
-client):
+``--api`` picks the APIs the servers are spoken to through, comma-separated (each configuration is then measured
+through each, in the same rounds, and compared with the last configuration through the same API; TTFT: the first
+line or SSE event with text in it, at the client):
 
 * ``generate`` (the default): corral's ``/api/generate`` with ``raw``, llama-server's ``/v1/completions``: the
   same prompt tokens on both;
@@ -286,7 +287,16 @@ def ab(args: argparse.Namespace) -> None:
         sys.exit("SmolLM2 is not cached: run scripts/fetch_smollm2.py")
     levels = [int(x) for x in args.streams.split(",")]
     names = list(args.configs)
-    runs: dict[str, dict[int, list[dict[str, float]]]] = {s: {n: [] for n in levels} for s in names}
+    apis = args.api.split(",")
+    if unknown := [a for a in apis if a not in APIS]:
+        sys.exit(f"unknown --api {', '.join(unknown)}: use {', '.join(APIS)} (several, comma-separated)")
+
+    def key(name: str, api: str) -> str:
+        return name if len(apis) == 1 else f"{name} [{api}]"
+
+    # one group of rows per API, its reference (the last configuration, llama-server) last
+    groups = [[key(name, api) for name in names] for api in apis]
+    runs: dict[str, dict[int, list[dict[str, float]]]] = {k: {n: [] for n in levels} for g in groups for k in g}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         up = []
         for i, name in enumerate(names):
@@ -299,24 +309,26 @@ def ab(args: argparse.Namespace) -> None:
         batching.check_idle([s for _, s in up])
         for r in range(args.rounds):
             for n in levels:
-                k = (r + n) % len(up)  # the order rotates with the round and the level
-                for name, server in up[k:] + up[:k]:
-                    runs[name][n].append(
-                        bursts(server, n, args.tokens, max(args.bursts, -(-16 // n)), args.api, args.prompt)
-                    )
+                for api in apis:
+                    k = (r + n) % len(up)  # the order rotates with the round and the level
+                    for name, server in up[k:] + up[:k]:
+                        runs[key(name, api)][n].append(
+                            bursts(server, n, args.tokens, max(args.bursts, -(-16 // n)), api, args.prompt)
+                        )
+            keys = [k for g in groups for k in g]
             print(
                 f"round {r + 1}: "
                 + "  |  ".join(
                     f"{n}: "
-                    + " ".join(f"{runs[c][n][-1]['tps']:.0f}" for c in names)
+                    + " ".join(f"{runs[c][n][-1]['tps']:.0f}" for c in keys)
                     + " tok/s, p50 "
-                    + " ".join(f"{runs[c][n][-1]['p50']:.0f}" for c in names)
+                    + " ".join(f"{runs[c][n][-1]['p50']:.0f}" for c in keys)
                     + " ms"
                     for n in levels
                 ),
                 flush=True,
             )
-    print("\n".join(render(runs, levels, args)))
+    print("\n".join(render(runs, levels, args, groups)))
 
 
 def bursts(
@@ -399,39 +411,42 @@ def openai_stream(server: batching.Corral, api: str, prompt: str, tokens: int) -
 
 
 def render(
-    runs: dict[str, dict[int, list[dict[str, float]]]], levels: list[int], args: argparse.Namespace
+    runs: dict[str, dict[int, list[dict[str, float]]]],
+    levels: list[int],
+    args: argparse.Namespace,
+    groups: list[list[str]] | None = None,
 ) -> list[str]:
-    """Each configuration against the last one (llama-server): medians of the per-round ratios."""
-    names = list(runs)
-    base = names[-1]
-    configs = " ".join(names)
+    """Each configuration against the last one of its group (llama-server, through the same API): medians of the
+    per-round ratios."""
+    groups = groups or [list(runs)]
     lines = [
         f"Command: `bench/setup_peers.sh && .venv/bin/python bench/speed.py ab --streams {args.streams} "
         f"--tokens {args.tokens} --rounds {args.rounds} --bursts {args.bursts} --api {args.api} "
-        f"--prompt {args.prompt} {configs}`",
+        f"--prompt {args.prompt} {' '.join(args.configs)}`",
         "",
-        f"| streams | configuration | tok/s / {base} | TTFT p50 / {base} | TTFT p95 / {base} | tok/s | "
+        "| streams | configuration | tok/s / reference | TTFT p50 / reference | TTFT p95 / reference | tok/s | "
         "TTFT p50 / p95 (ms) | tok/s ratio, each round | TTFT p50 ratio, each round |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def med(rs: list[dict[str, float]], k: str) -> float:
+        return statistics.median(x[k] for x in rs)
+
     for n in levels:
-        s = runs[base][n]
-        for name in names:
-            c = runs[name][n]
-            ratio = {k: [x[k] / y[k] for x, y in zip(c, s, strict=True)] for k in ("tps", "p50", "p95")}
-
-            def med(rs: list[dict[str, float]], k: str) -> float:
-                return statistics.median(x[k] for x in rs)
-
-            lines.append(
-                f"| {n} | {name} | **{statistics.median(ratio['tps']):.2f}** | "
-                f"**{statistics.median(ratio['p50']):.2f}** | {statistics.median(ratio['p95']):.2f} | "
-                f"{med(c, 'tps'):.0f} | {med(c, 'p50'):.0f} / {med(c, 'p95'):.0f} | "
-                + ", ".join(f"{x:.2f}" for x in ratio["tps"])
-                + " | "
-                + ", ".join(f"{x:.2f}" for x in ratio["p50"])
-                + " |"
-            )
+        for group in groups:
+            s = runs[group[-1]][n]
+            for name in group:
+                c = runs[name][n]
+                ratio = {k: [x[k] / y[k] for x, y in zip(c, s, strict=True)] for k in ("tps", "p50", "p95")}
+                lines.append(
+                    f"| {n} | {name} | **{statistics.median(ratio['tps']):.2f}** | "
+                    f"**{statistics.median(ratio['p50']):.2f}** | {statistics.median(ratio['p95']):.2f} | "
+                    f"{med(c, 'tps'):.0f} | {med(c, 'p50'):.0f} / {med(c, 'p95'):.0f} | "
+                    + ", ".join(f"{x:.2f}" for x in ratio["tps"])
+                    + " | "
+                    + ", ".join(f"{x:.2f}" for x in ratio["p50"])
+                    + " |"
+                )
     return lines
 
 
@@ -553,7 +568,9 @@ def main() -> None:
     a.add_argument("--tokens", type=int, default=96)
     a.add_argument("--rounds", type=int, default=5)
     a.add_argument("--bursts", type=int, default=3, help="bursts of simultaneous requests per level and round")
-    a.add_argument("--api", choices=APIS, default="generate", help="the API the servers are spoken to through")
+    a.add_argument(
+        "--api", default="generate", help=f"the APIs the servers are spoken to through, comma-separated: {APIS}"
+    )
     a.add_argument("--prompt", choices=("bench", "story"), default="bench", help="bench/batching.py's or issue 25's")
     a.add_argument("configs", nargs="*", default=["corral", "llama-server"], help="the last is the reference")
     c = sub.add_parser("cpu")
