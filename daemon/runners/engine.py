@@ -260,7 +260,7 @@ class Engine:
             rid=rid,
             prompt=prompt,
             sampler=SeqSampler.from_params(params, self.n_ctx_slot),
-            limit=10 * self.n_ctx_slot if num_predict < 0 else num_predict,
+            limit=10 * self.n_ctx_slot if num_predict < 0 else min(num_predict, 10 * self.n_ctx_slot),  # as Ollama
             stops=[s for s in (params.get("stop") or []) if s],
             num_keep=num_keep,
             shift=shift,

@@ -293,3 +293,10 @@ def test_a_full_context_shifts_instead_of_stopping(batched: Daemon) -> None:
         ).raise_for_status()
     assert info.value.response.status_code == 400
     assert "longer than the context length" in info.value.response.json()["error"]
+
+
+def test_num_predict_is_capped_at_ten_contexts_as_in_ollama(batched: Daemon) -> None:
+    """An app's max_tokens far over the context (Claude Code sends 32000) generates at most 10 x num_ctx tokens,
+    as Ollama caps it: a model that never ends cannot run on for ever through context shifts."""
+    out = gen(batched, "endless", "go", num_predict=5000)  # num_ctx is 64
+    assert out["eval_count"] == 640 and out["done_reason"] == "length"
