@@ -3,16 +3,27 @@
 Shared by ``corral run PROMPT`` (``/api/generate``) and the interactive REPL (``/api/chat``). The daemon sees
 the connection close when the user presses Ctrl-C and stops generating within a token. Both attach the images whose
 paths a prompt names (:func:`extract_images`) when the model has vision.
+
+Ctrl-C is a ``KeyboardInterrupt`` raised wherever the main thread happens to be, which is only safe in code written
+for it. So the answer is read from the daemon in a worker thread (with SIGINT blocked there, so the kernel always
+hands the signal to the main thread) and the main thread only waits on a queue and prints: an interrupt can never
+land inside httpx or httpcore, where one arriving just after a lock is taken leaves that lock held and the next
+close or request waiting for ever, or inside a finalizer, where Python drops it. Stopping aborts the stream (its
+socket is shut down), which ends the worker's read at once, and the daemon sees the connection close.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
+import queue
 import re
 import shutil
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -201,15 +212,30 @@ class Printer:
     def stream(self, chunks: Iterator[dict[str, Any]], *, key: str) -> Answer:
         """Print ``chunks`` (``/api/generate`` when key is ``response``, ``/api/chat`` when ``message``).
 
-        Ctrl-C stops the answer (closing the stream closes the connection, and the daemon stops), prints a
-        newline and returns with ``interrupted`` set, so a REPL can go on.
+        Ctrl-C at any moment stops the answer (the stream is aborted, which closes the connection, and the daemon
+        stops), prints a newline and returns with ``interrupted`` set, so a REPL can go on. An error from the stream
+        is raised here.
         """
         answer = Answer()
+        reader = _Reader(chunks)
+        try:
+            self._print(reader, answer, key)
+        except KeyboardInterrupt:
+            answer.interrupted = True
+        finally:
+            reader.stop()
+        if answer.interrupted:
+            with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C: the newline can go too
+                self.out.write("\n\n" if answer.content and not answer.content.endswith("\n") else "\n")
+                self.out.flush()
+        return answer
+
+    def _print(self, reader: _Reader, answer: Answer, key: str) -> None:
         wrapper = Wrapper(self.out, wrap_width(self.out, self.wordwrap))
         colour = self.out.isatty()
         thinking_open = False
         try:
-            for chunk in chunks:
+            for chunk in reader:
                 holder = (chunk.get("message") or {}) if key == "message" else chunk
                 thought = holder.get("thinking") or ""
                 text = holder.get(key if key == "response" else "content") or ""
@@ -231,15 +257,10 @@ class Printer:
                     answer.tool_calls.append(call)
                 if chunk.get("done"):
                     answer.final = chunk
-        except KeyboardInterrupt:
-            answer.interrupted = True
         finally:
-            close = getattr(chunks, "close", None)
-            if callable(close):
-                close()
-        wrapper.finish()
-        if thinking_open and colour:
-            self.out.write(RESET)
+            wrapper.finish()
+            if thinking_open and colour:
+                self.out.write(RESET)
         for call in answer.tool_calls:
             fn = call.get("function") or {}
             self.out.write(
@@ -253,7 +274,84 @@ class Printer:
             for line in stats_lines(answer.final):
                 self.err.write(line + "\n")
             self.err.flush()
-        return answer
+
+
+_END = object()
+
+
+class _Reader:
+    """Reads a stream of chunks in a worker thread and hands them over through a queue.
+
+    The worker starts with SIGINT blocked (it inherits the mask the main thread has while starting it), so a
+    Ctrl-C always interrupts the main thread, which is waiting in ``SimpleQueue.get`` (C code that returns at
+    once for a signal) or printing: never the library code reading the daemon's answer. :meth:`stop` (from the
+    main thread, any number of times) makes the worker end: it aborts the stream when the stream can be aborted
+    (:class:`cli.client.Stream`: its connection is shut down), else the worker stops at the next chunk; the worker
+    closes the stream itself, since a generator may only be closed by the thread running it.
+    """
+
+    def __init__(self, chunks: Iterator[dict[str, Any]]) -> None:
+        self.chunks = chunks
+        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.stopped = False
+        self.thread: threading.Thread | None = None
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        self._start()
+        while True:
+            item = self.inbox.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def _start(self) -> None:
+        thread = threading.Thread(target=self._work, name="corral-answer", daemon=True)
+        self.thread = thread  # before it starts: stop() must never close the stream under a running worker
+        mask = getattr(signal, "pthread_sigmask", None)
+        if mask is None or threading.current_thread() is not threading.main_thread():
+            thread.start()
+            return
+        # SIGINT blocked here while the thread starts, so it starts blocked; a Ctrl-C meanwhile stays pending and
+        # is raised here once unblocked. Unblocked by name (not by restoring a saved mask), so an interrupt between
+        # the two calls cannot leave it blocked for the rest of the session.
+        try:
+            mask(signal.SIG_BLOCK, {signal.SIGINT})
+            thread.start()
+        finally:
+            mask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+    def _work(self) -> None:
+        try:
+            for chunk in self.chunks:
+                if self.stopped:
+                    break
+                self.inbox.put(chunk)
+            self.inbox.put(_END)
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread (or dropped once it stopped)
+            self.inbox.put(exc)
+        finally:
+            close = getattr(self.chunks, "close", None)
+            if callable(close):
+                with contextlib.suppress(Exception):
+                    close()
+
+    def stop(self) -> None:
+        """Make the worker end (idempotent; a Ctrl-C arriving meanwhile does not stop the stopping)."""
+        while True:
+            try:
+                self.stopped = True
+                abort = getattr(self.chunks, "abort", None)
+                if callable(abort):
+                    abort()
+                elif self.thread is None:  # never started: close it here
+                    close = getattr(self.chunks, "close", None)
+                    if callable(close):
+                        close()
+                return
+            except KeyboardInterrupt:
+                continue
 
 
 def generate_stream(client: DaemonClient, body: dict[str, Any]) -> Iterator[dict[str, Any]]:

@@ -8,10 +8,12 @@ its ``status``), a refused connection as :class:`DaemonUnreachable`, other trans
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import re
-from collections.abc import Callable, Iterator
+import socket
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -78,10 +80,20 @@ class DaemonClient:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers, transport=transport)
+        # streams get a connection of their own each (none kept alive), so Stream.abort knows its socket from the
+        # moment it connects
+        self._streams = httpx.Client(
+            base_url=self.base_url,
+            timeout=timeout,
+            headers=headers,
+            transport=transport,
+            limits=httpx.Limits(max_keepalive_connections=0),
+        )
         self.address = _address(self._http.base_url)
 
     def close(self) -> None:
         self._http.close()
+        self._streams.close()
 
     def __enter__(self) -> DaemonClient:
         return self
@@ -116,28 +128,10 @@ class DaemonClient:
         except ValueError as exc:
             raise DaemonConnectionError(f"corral sent an invalid reply to {method} {path}") from exc
 
-    def stream(self, method: str, path: str, json: Any = None) -> Iterator[dict[str, Any]]:
-        """NDJSON objects from a streaming call; a line with ``error`` raises :class:`CorralError`."""
-        headers = {"Accept": "application/x-ndjson"}
-        timeout = httpx.Timeout(self.timeout, read=None)
-        with (
-            self._translate(),
-            self._http.stream(method, path, json=json, headers=headers, timeout=timeout) as response,
-        ):
-            if response.status_code >= 400:
-                response.read()
-                raise error_for(response.status_code, _message(response))
-            for line in response.iter_lines():
-                if not line.strip():
-                    continue
-                try:
-                    obj = _loads(line)
-                except ValueError as exc:
-                    raise DaemonConnectionError(f"corral sent an invalid line: {line[:200]!r}") from exc
-                if isinstance(obj, dict) and obj.get("error"):
-                    raise CorralError(str(obj["error"]))
-                if isinstance(obj, dict):
-                    yield obj
+    def stream(self, method: str, path: str, json: Any = None) -> Stream:
+        """NDJSON objects from a streaming call; a line with ``error`` raises :class:`CorralError`. The
+        :class:`Stream` can be aborted from another thread."""
+        return Stream(self, method, path, json)
 
     # -- API -----------------------------------------------------------------------------------------------
     def heartbeat(self) -> None:
@@ -222,3 +216,79 @@ class DaemonClient:
 
 def _loads(line: str) -> Any:
     return json.loads(line)
+
+
+class Stream:
+    """One streaming call's NDJSON objects, read as they come (iterate it in one thread).
+
+    :meth:`abort` may be called from any other thread, at any time (before the call connects, while it waits for
+    the daemon, between lines): it shuts the call's connection down, so a read blocked in the other thread returns
+    at once and the daemon sees the client leave (and stops generating). The connection is its own (never kept
+    alive, never shared), so its socket is known from the moment it connects: httpx's ``trace`` extension hands it
+    over (``connection.connect_tcp.complete``).
+    """
+
+    def __init__(self, client: DaemonClient, method: str, path: str, body: Any) -> None:
+        self._client = client
+        self._method, self._path, self._body = method, path, body
+        self._socket: socket.socket | None = None
+        self._aborted = False
+        self._objects = self._read()
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        return next(self._objects)
+
+    def close(self) -> None:
+        """Stop reading (in the reading thread): closes the response and its connection."""
+        self._objects.close()
+
+    def abort(self) -> None:
+        """End the call from any thread. Only plain assignments and a shutdown: safe from a signal handler, and
+        a second interrupt in the middle of it leaves nothing half done."""
+        self._aborted = True
+        self._shutdown(self._socket)
+
+    @staticmethod
+    def _shutdown(sock: socket.socket | None) -> None:
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _trace(self, event: str, info: dict[str, Any]) -> None:
+        if event == "connection.connect_tcp.complete":
+            stream = info.get("return_value")
+            sock = stream.get_extra_info("socket") if stream is not None else None
+            self._socket = sock
+            if self._aborted:  # aborted while connecting: the socket was not known then
+                self._shutdown(sock)
+
+    def _read(self) -> Generator[dict[str, Any], None, None]:
+        client = self._client
+        headers = {"Accept": "application/x-ndjson"}
+        timeout = httpx.Timeout(client.timeout, read=None)
+        extensions = {"trace": self._trace}
+        if self._aborted:
+            return
+        with (
+            client._translate(),
+            client._streams.stream(
+                self._method, self._path, json=self._body, headers=headers, timeout=timeout, extensions=extensions
+            ) as response,
+        ):
+            if response.status_code >= 400:
+                response.read()
+                raise error_for(response.status_code, _message(response))
+            for line in response.iter_lines():
+                if not line.strip():
+                    continue
+                try:
+                    obj = _loads(line)
+                except ValueError as exc:
+                    raise DaemonConnectionError(f"corral sent an invalid line: {line[:200]!r}") from exc
+                if isinstance(obj, dict) and obj.get("error"):
+                    raise CorralError(str(obj["error"]))
+                if isinstance(obj, dict):
+                    yield obj

@@ -4,10 +4,15 @@
 default; tests pass their own reader), runs commands, and sends messages with the whole history through
 ``/api/chat``. Ctrl-C while the model answers stops that answer; Ctrl-C at an empty prompt reminds how to
 leave; Ctrl-D or ``/bye`` leaves. With a vision model, the image files a message names are attached to it.
+
+A Ctrl-C at any moment after a line is typed (before the answer starts, while it streams, while it is printed
+or put away, during a slash command) ends that turn only: the REPL goes back to its prompt, and the history keeps
+no half of the turn. See :mod:`cli.chat` for how the answer itself is stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -123,6 +128,11 @@ def nohistory_env() -> bool:
     return os.environ.get("CORRAL_NOHISTORY", "").strip().lower() in ("1", "t", "true", "yes", "on")
 
 
+class LineInterrupted(KeyboardInterrupt):
+    """Ctrl-C after a line was typed but before it was handed back (while the history was being saved): a turn
+    stopped before it started, not a Ctrl-C at the prompt."""
+
+
 def readline_reader(saving: Callable[[], bool] = lambda: True) -> Callable[[str], str]:
     """``input()`` with line editing and a persistent history when readline is available. ``saving()`` says
     whether the history file is written now (``/set nohistory`` and ``CORRAL_NOHISTORY`` turn it off: lines are
@@ -140,13 +150,14 @@ def readline_reader(saving: Callable[[], bool] = lambda: True) -> Callable[[str]
 
     def read(prompt: str) -> str:
         line = input(prompt)
-        if not saving():
-            return line
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            readline.write_history_file(path)
+            if saving():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                readline.write_history_file(path)
         except OSError:
             pass
+        except KeyboardInterrupt:
+            raise LineInterrupted from None
         return line
 
     return read
@@ -182,21 +193,50 @@ class Repl:
         self.print_model_history()
         while True:
             try:
+                self._loop()
+                return
+            except KeyboardInterrupt:
+                # between two steps of the loop (a turn undoes its own half): back to the prompt
+                with contextlib.suppress(KeyboardInterrupt):
+                    self.say()
+
+    def _loop(self) -> None:
+        while True:
+            try:
                 line = self.read_message()
             except EOFError:
                 self.say()
                 return
+            except LineInterrupted:
+                self.say()
+                continue
             except KeyboardInterrupt:
                 self.say("\nUse Ctrl + d or /bye to exit.")
                 continue
+            if self.turn(line) == "exit":
+                return
+
+    def turn(self, line: str | None) -> str | None:
+        """Run one typed line (a command or a message); "exit" to leave. A Ctrl-C anywhere in it ends the turn:
+        the history is put back as it was before the turn (a command that replaces it, /load, keeps its own)."""
+        history = self.session.messages
+        kept = len(history)
+        try:
             if line is None:
-                continue
+                return None
             if line.startswith("/") and not line.startswith("//"):
-                if self.command(line) == "exit":
-                    return
-                continue
+                return self.command(line)
             if line.strip():
                 self.send(line)
+            return None
+        except KeyboardInterrupt:
+            while True:  # a second Ctrl-C while putting things back does not leave them half done
+                try:
+                    del history[kept:]
+                    self.say()
+                    return None
+                except KeyboardInterrupt:
+                    continue
 
     def read_message(self) -> str | None:
         """One message: a line, or a ``\"\"\"`` block across lines (``None`` when there is nothing to do)."""
