@@ -141,9 +141,11 @@ def hang_alarm(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
-def one_turn(client: DaemonClient, target: int) -> tuple[Injector, Repl, io.StringIO, BaseException | None]:
-    """The REPL: a typed line, the answer, then a second line ("/bye") that must still be read."""
+def one_turn(url: str, target: int) -> tuple[Injector, Repl, io.StringIO, BaseException | None]:
+    """The REPL: a typed line, the answer, then a second line ("/bye") that must still be read. A client of its
+    own, so a stage that breaks one (a lock left held) cannot take the next stages down with it."""
     out = io.StringIO()
+    client = DaemonClient(url, timeout=30)
     lines = iter(["hello", "/bye"])
     injector = Injector(target, out)
     asked: list[str] = []
@@ -167,6 +169,11 @@ def one_turn(client: DaemonClient, target: int) -> tuple[Injector, Repl, io.Stri
                 sys.settrace(None)
     except BaseException as exc:  # noqa: BLE001 - what escaped is the finding
         escaped = exc
+    try:
+        with hang_alarm(5):
+            client.close()
+    except Hung as exc:
+        escaped = escaped or Hung(f"closing the client: {exc}")
     if escaped is None and asked != ["hello", "/bye"]:
         escaped = AssertionError(f"the REPL stopped reading after {asked}")
     return injector, repl, out, escaped
@@ -185,9 +192,8 @@ def streamer() -> Iterator[tuple[Streamer, ServerThread]]:
 
 def test_ctrl_c_at_every_stage_of_a_turn(streamer: tuple[Streamer, ServerThread]) -> None:
     app, server = streamer
-    client = DaemonClient(server.url, timeout=30)
     # a turn with no interrupt: how many distinct stages the REPL's thread runs through
-    reference, repl, out, escaped = one_turn(client, 0)
+    reference, repl, out, escaped = one_turn(server.url, 0)
     assert escaped is None and printed(out) == CHUNKS
     assert [m["role"] for m in repl.session.messages] == ["user", "assistant"]
     stages = len(reference.seen)
@@ -195,7 +201,7 @@ def test_ctrl_c_at_every_stage_of_a_turn(streamer: tuple[Streamer, ServerThread]
     failures = []
     for target in range(1, stages + 1):
         before, asked = len(app.ended), app.started
-        injector, repl, out, escaped = one_turn(client, target)
+        injector, repl, out, escaped = one_turn(server.url, target)
         where = f"stage {target} {injector.fired_at}"
         deadline = time.monotonic() + 5  # every request the server got has ended, and every reader with it
         while (len(app.ended) < app.started or readers()) and time.monotonic() < deadline:
@@ -216,6 +222,4 @@ def test_ctrl_c_at_every_stage_of_a_turn(streamer: tuple[Streamer, ServerThread]
         ends = app.ended[before:]
         if app.started > asked and injector.printed_then < CHUNKS and (not ends or set(ends) != {"client left"}):
             failures.append(f"{where}: the server saw {app.ended[before:]}")
-    with hang_alarm(5):
-        client.close()
     assert not failures, f"{len(failures)} of {stages} stages:\n" + "\n".join(failures[:80])
