@@ -43,7 +43,9 @@ def test_a_non_streaming_request_stops_when_its_client_leaves(tmp_path: Path, pa
     d = start_daemon(tmp_path / "models", tmp_path / "daemon.log", {"CORRAL_NUM_PARALLEL": "2"})
     try:
         create_endless(d, tmp_path)
-        payload = {**body, "options": ENDLESS}
+        # num_ctx 4096: generation is capped at 10 x num_ctx as in Ollama, and 2,560 tokens of this tiny model
+        # can end within the client's 3 s
+        payload = {**body, "options": {**ENDLESS, "num_ctx": 4096}}
         with pytest.raises(httpx.TimeoutException):
             httpx.post(d.url + path, json=payload, timeout=3)  # the client gives up and closes the connection
         deadline = time.monotonic() + 5
