@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -163,6 +165,21 @@ def readline_reader(saving: Callable[[], bool] = lambda: True) -> Callable[[str]
     return read
 
 
+@contextlib.contextmanager
+def ctrl_c_interrupts() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt in the REPL even when corral was started with SIGINT ignored (a background
+    job of a non-interactive shell, nohup): in a REPL Ctrl-C means "stop this answer", as in Ollama (Go's
+    signal.Notify takes an ignored SIGINT back too). The handler in force before is put back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 class Repl:
     """The read-eval-print loop over one :class:`DaemonClient`."""
 
@@ -189,6 +206,10 @@ class Repl:
 
     # -- the loop ------------------------------------------------------------------------------------------
     def run(self) -> None:
+        with ctrl_c_interrupts():
+            self._run()
+
+    def _run(self) -> None:
         self.preload()
         self.print_model_history()
         while True:

@@ -8,10 +8,12 @@ import json
 import os
 import pty
 import select
+import signal
 import sys
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import httpx
 import pytest
@@ -342,10 +344,12 @@ def test_repl_commands_and_history(daemon_with_models: Daemon, monkeypatch: pyte
 
 # -- the real terminal: `corral run MODEL` under a pseudo-terminal ---------------------------------------------
 class Terminal:
-    def __init__(self, d: Daemon, *args: str) -> None:
+    def __init__(self, d: Daemon, *args: str, sigint: Any = signal.SIG_DFL) -> None:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: become `corral run`
             os.chdir(REPO)
+            # what `corral run` is started with, whatever pytest was (a background job's SIGINT is ignored)
+            signal.signal(signal.SIGINT, sigint)
             os.execvpe(sys.executable, [sys.executable, "-m", "cli", "run", *args], d.env)
         self.seen = b""
 
@@ -386,8 +390,11 @@ class Terminal:
         raise AssertionError("corral run did not exit")
 
 
-def test_interactive_terminal_ctrl_c_and_ctrl_d(daemon_with_models: Daemon) -> None:
-    term = Terminal(daemon_with_models, "tiny")
+@pytest.mark.parametrize("sigint", [signal.SIG_DFL, signal.SIG_IGN], ids=["default", "started-ignoring-sigint"])
+def test_interactive_terminal_ctrl_c_and_ctrl_d(daemon_with_models: Daemon, sigint: Any) -> None:
+    """Ctrl-C stops the answer, also when corral was started with SIGINT ignored (a background job of a
+    non-interactive shell, nohup): the REPL takes it back, as Ollama's does."""
+    term = Terminal(daemon_with_models, "tiny", sigint=sigint)
     term.until(b">>> ")
     term.send(b"go on forever\r")  # greedy, this tiny model never ends by itself
     term.until(b"go on forever\r\n")
