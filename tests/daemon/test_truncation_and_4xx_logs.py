@@ -191,6 +191,19 @@ def test_unknown_urls_and_methods_are_logged_rate_limited(served: Daemon) -> Non
     assert "method=GET path=/api/chat status=405" in found[1] and "method not allowed" in found[1]
 
 
+def test_a_blob_probe_is_a_question_not_a_refusal(served: Daemon) -> None:
+    """`corral create` (and Ollama's client) asks HEAD /api/blobs/<digest> before every upload; its 404 means "not
+    here yet, send it", so it is not logged as a refused request. A GET of a missing blob still is."""
+    digest = "sha256:" + "0" * 64
+    before = len(log_lines(served))
+    assert httpx.head(served.url + f"/api/blobs/{digest}").status_code == 404
+    assert httpx.get(served.url + "/api/nothing-at-all").status_code == 404
+    found = new_lines(served, before, "request refused")
+    time.sleep(0.5)
+    found = new_lines(served, before, "request refused", wait=0)
+    assert len(found) == 1 and "/api/nothing-at-all" in found[0], found
+
+
 def test_a_wrong_host_is_logged_with_why(served: Daemon) -> None:
     before = len(log_lines(served))
     r = httpx.get(served.url + "/api/tags", headers={"Host": "evil.example"})
