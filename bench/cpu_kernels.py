@@ -39,7 +39,7 @@ PARAGRAPH = (
     "The old lighthouse keeper kept a journal of every ship that passed the point, the weather of each "
     "morning, the birds that rested on the rail, and the letters he never sent to his brother in the city. "
 )
-KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml_type values, as daemon/runners/llama_cpp.py
+KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml_type values, as daemon/llama/runner.py
 
 
 # -- the child: one configuration, one process ---------------------------------------------------------------

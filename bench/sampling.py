@@ -1,4 +1,4 @@
-"""What sampling costs the runner per step: ``daemon.runners.sampling.sample_rows`` over the logits of a batch.
+"""What sampling costs the runner per step: ``daemon.llama.sampling.sample_rows`` over the logits of a batch.
 
 Usage: .venv/bin/python bench/sampling.py [--write docs/benchmarks.md]
 
@@ -6,7 +6,7 @@ For SmolLM2's shape (4 rows of a 49,152-token vocabulary, the CPU benchmark's fo
 batch on a GPU (32 rows of 128,256), with Ollama's default options (temperature 0.8, top_k 40, top_p 0.9, repeat
 penalty 1.1 over the last 64 tokens), greedy, and without top-k. The logits are random (standard normal x 3), so
 the nucleus without top-k is wider than a real model's: those rows are a worst case. The peer is the previous
-implementation (``daemon/runners/sampling.py`` at commit aeba1fc, read from git: one argpartition of every row
+implementation (``daemon/llama/sampling.py`` at commit aeba1fc, read from git: one argpartition of every row
 over the whole vocabulary for top-k, a full sort without it), timed on the same arrays in the same run. Best of 5
 runs each (3 for the slowest).
 """
@@ -27,7 +27,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from daemon.runners.sampling import SeqSampler, sample_rows  # noqa: E402
+from daemon.llama.sampling import SeqSampler, sample_rows  # noqa: E402
 
 CASES = [
     ("Ollama's defaults", {}),
@@ -55,7 +55,7 @@ PEER_COMMIT = "aeba1fc"
 def previous_implementation() -> Any:
     """The sampler as it was before top_candidates, loaded from git into a module of its own."""
     source = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{PEER_COMMIT}:daemon/runners/sampling.py"],
+        ["git", "-C", str(REPO), "show", f"{PEER_COMMIT}:daemon/llama/sampling.py"],
         check=True,
         capture_output=True,
         text=True,

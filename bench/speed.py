@@ -92,7 +92,7 @@ def _line(frame: str) -> str:
 def runner_category(stack: list[str]) -> str:
     text = ";".join(stack)
     leaf = stack[-1]
-    if "_loop (daemon/runners/engine.py" not in text:
+    if "_loop (daemon/llama/engine.py" not in text:
         if "read_frame" in text or "Runner.handle" in text:
             return "runner: request intake (read frame, tokenize, submit)"
         return "runner: other threads"
@@ -189,9 +189,7 @@ def profile(args: argparse.Namespace) -> None:
         try:
             server.stream(batching.PROMPTS[0], 8)
             daemon = psutil.Process(server.proc.pid)
-            runner = next(
-                p for p in daemon.children(recursive=True) if "daemon.runners.llama_cpp" in " ".join(p.cmdline())
-            )
+            runner = next(p for p in daemon.children(recursive=True) if "daemon.llama.runner" in " ".join(p.cmdline()))
             intake(server, daemon, runner)
             for n in [int(x) for x in args.streams.split(",")]:
                 batching.load_test(server, n, args.tokens)  # warm this level up
@@ -465,9 +463,7 @@ def cpu(args: argparse.Namespace) -> None:
                     server.stream(batching.PROMPTS[0], 8)
                     daemon = psutil.Process(server.proc.pid)
                     runner = next(
-                        p
-                        for p in daemon.children(recursive=True)
-                        if "daemon.runners.llama_cpp" in " ".join(p.cmdline())
+                        p for p in daemon.children(recursive=True) if "daemon.llama.runner" in " ".join(p.cmdline())
                     )
                     for n in levels:
                         batching.load_test(server, n, args.tokens)  # warm this level up

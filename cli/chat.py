@@ -51,7 +51,7 @@ def extract_images(prompt: str, *, say: Any = None) -> tuple[str, list[str]]:
     ``ollama run`` attaches them: each existing file whose path ends in .png, .jpg, .jpeg, .gif, .bmp or .webp, quoted
     or with escaped spaces. ``say`` (default: stderr) is told "Added image '<path>'" for each. A file that cannot be
     read, or is over the daemon's 20 MiB bound, is an error (InvalidRequest); the daemon checks the contents."""
-    from registry.errors import InvalidRequest
+    from errors import InvalidRequest
 
     tell = say or (lambda line: print(line, file=sys.stderr))
     images: list[str] = []

@@ -22,8 +22,8 @@ import httpx
 
 from cli import __version__
 from cli.errors import DaemonConnectionError, DaemonUnreachable
+from errors import CorralError, InvalidRequest, ModelNotFound, NotFound
 from registry.digest import Digest
-from registry.errors import CorralError, InvalidRequest, ModelNotFound, NotFound
 
 CHUNK = 1024 * 1024
 _MODEL_NOT_FOUND = re.compile(r"model ['\"](.+)['\"] not found")

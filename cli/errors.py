@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from daemon.settings import SettingsError
-from registry.errors import CorralError, InvalidModelName, ModelNotFound
+from errors import CorralError, InvalidModelName, ModelNotFound
 
 
 class DaemonUnreachable(CorralError):

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 from cli.chat import Printer, chat_stream, extract_images
 from cli.client import DaemonClient
 from cli.output import table
-from registry.errors import CorralError, InvalidModelName, ModelNotFound, NotFound
+from errors import CorralError, InvalidModelName, ModelNotFound, NotFound
 
 PROMPT = ">>> "
 CONTINUE = "... "

@@ -19,7 +19,7 @@ from cli.commands import create, listing, manage, ps, run, serve, service, show,
 from cli.commands import login as login_cmd
 from cli.commands import registry as registry_cmd
 from cli.errors import render_error
-from registry.errors import CorralError
+from errors import CorralError
 
 app = typer.Typer(
     name="corral",

@@ -1,6 +1,6 @@
 """What the machine has: CPU cores and instruction sets, RAM, and the devices the installed llama.cpp can use.
 
-The devices come from llama.cpp's own ggml device registry, asked in a child process (``daemon/runners/probe.py``;
+The devices come from llama.cpp's own ggml device registry, asked in a child process (``daemon/llama/probe.py``;
 the daemon never imports llama_cpp), so whatever backend llama-cpp-python was built with (CUDA, Metal, ROCm/HIP,
 Vulkan, SYCL) is found the same way. NVML (pynvml), where present, adds NVIDIA details (driver, compute capability,
 UUID) and fresh free-memory numbers.
@@ -250,13 +250,13 @@ def _visible(gpus: tuple[GPU, ...], reason: str, env: Mapping[str, str]) -> tupl
 def run_probe(
     environ: Mapping[str, str] | None = None, timeout: float = PROBE_TIMEOUT
 ) -> tuple[dict[str, Any] | None, str]:
-    """Run ``python -m daemon.runners.probe`` with this environment; its JSON, or None and why."""
+    """Run ``python -m daemon.llama.probe`` with this environment; its JSON, or None and why."""
     env = dict(os.environ if environ is None else environ)
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     try:
         r = subprocess.run(
-            [sys.executable, "-m", "daemon.runners.probe"],
+            [sys.executable, "-m", "daemon.llama.probe"],
             env=env,
             capture_output=True,
             text=True,

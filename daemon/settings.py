@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from registry.errors import CorralError
+from errors import CorralError
 
 
 class SettingsError(CorralError):

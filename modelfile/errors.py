@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from registry.errors import InvalidRequest
+from errors import InvalidRequest
 
 
 class ModelfileError(InvalidRequest):

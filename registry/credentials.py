@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from registry.errors import CredentialsError
+from errors import CredentialsError
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from registry.errors import InvalidDigest
+from errors import InvalidDigest
 
 _HEX = re.compile(r"[0-9a-f]{64}")
 _LOOSE = re.compile(r"sha256[:-]([0-9a-fA-F]{64})")

@@ -36,14 +36,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from registry.digest import Digest
-from registry.errors import (
+from errors import (
     BlobDigestMismatch,
     CorralError,
     RegistryProtocolError,
     RegistryUnreachable,
     StoreError,
 )
+from registry.digest import Digest
 from registry.fetch import (
     RangeIgnored,
     RangeReader,

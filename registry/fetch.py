@@ -39,8 +39,8 @@ from typing import Any, cast
 
 import httpx
 
+from errors import InsecureRegistry, RegistryNotFound, RegistryProtocolError, RegistryUnreachable
 from registry.digest import Digest
-from registry.errors import InsecureRegistry, RegistryNotFound, RegistryProtocolError, RegistryUnreachable
 from registry.remote import MAX_ERROR_BYTES, MAX_REDIRECTS, Origin, RegistryClient, URLPolicy, error_text
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from registry.errors import InvalidGGUF
+from errors import InvalidGGUF
 
 MAX_TENSORS = 100_000
 MAX_KVS = 100_000

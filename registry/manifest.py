@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from errors import InvalidDigest, InvalidManifest
 from registry.digest import Digest
-from registry.errors import InvalidDigest, InvalidManifest
 
 MANIFEST_MEDIA_TYPE = "application/vnd.docker.distribution.manifest.v2+json"
 CONFIG_MEDIA_TYPE = "application/vnd.docker.container.image.v1+json"

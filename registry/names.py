@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from registry.errors import InvalidModelName
+from errors import InvalidModelName
 
 DEFAULT_HOST = "registry.ollama.ai"
 DEFAULT_NAMESPACE = "library"

@@ -27,8 +27,8 @@ import tarfile
 from dataclasses import dataclass
 from typing import Any
 
+from errors import InvalidDigest, InvalidModelName, InvalidRequest
 from registry.digest import Digest
-from registry.errors import InvalidDigest, InvalidModelName, InvalidRequest
 from registry.manifest import MANIFEST_MEDIA_TYPE, MAX_BLOB_SIZE, MAX_MANIFEST_BYTES, Manifest
 from registry.names import ModelName
 

@@ -25,9 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from registry.digest import Digest
-from registry.download import Download, Downloads, Tuning
-from registry.errors import (
+from errors import (
     BlobNotFound,
     InsecureRegistry,
     InsufficientSpace,
@@ -35,6 +33,8 @@ from registry.errors import (
     RegistryProtocolError,
     StoreError,
 )
+from registry.digest import Digest
+from registry.download import Download, Downloads, Tuning
 from registry.manifest import Layer, Manifest, layer_progress
 from registry.names import ModelName
 from registry.remote import RegistryClient

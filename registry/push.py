@@ -23,8 +23,8 @@ from typing import Any
 
 import httpx
 
+from errors import CorralError, InsecureRegistry, RegistryError, RegistryUnreachable
 from registry.digest import Digest
-from registry.errors import CorralError, InsecureRegistry, RegistryError, RegistryUnreachable
 from registry.manifest import MANIFEST_MEDIA_TYPE, Layer, Manifest, layer_progress
 from registry.names import ModelName
 from registry.remote import RegistryClient, backoff

@@ -39,9 +39,7 @@ from typing import Any
 import httpcore
 import httpx
 
-from registry.credentials import Credentials, lookup
-from registry.digest import Digest
-from registry.errors import (
+from errors import (
     CorralError,
     InsecureRegistry,
     RegistryError,
@@ -50,6 +48,8 @@ from registry.errors import (
     RegistryUnauthorized,
     RegistryUnreachable,
 )
+from registry.credentials import Credentials, lookup
+from registry.digest import Digest
 from registry.manifest import MANIFEST_MEDIA_TYPE, MAX_MANIFEST_BYTES
 from registry.names import ModelName
 

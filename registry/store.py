@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from registry.digest import Digest
-from registry.errors import (
+from errors import (
     BlobNotFound,
     CorralError,
     DigestMismatch,
@@ -35,6 +34,7 @@ from registry.errors import (
     StoreError,
     StoreLocked,
 )
+from registry.digest import Digest
 from registry.manifest import Manifest
 from registry.names import ModelName
 
@@ -386,7 +386,7 @@ class Store:
         self.generation += 1
 
     def read_runner_state(self) -> bytes | None:
-        """The daemon's remembered runner configurations (``daemon/fallback.py``), or None."""
+        """The daemon's remembered runner configurations (``daemon/scheduling/fallback.py``), or None."""
         try:
             with open(self.root / RUNNER_STATE_NAME, "rb") as f:
                 data = f.read(MAX_RUNNER_STATE + 1)

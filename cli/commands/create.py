@@ -26,8 +26,8 @@ from cli.modelfile_files import (
     read_modelfile,
     resolve_from,
 )
+from errors import InvalidModelName
 from registry.digest import Digest
-from registry.errors import InvalidModelName
 from registry.names import ModelName
 
 HASH_BAR_MIN = 64 * 1024 * 1024  # hash smaller files without a bar

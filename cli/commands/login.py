@@ -16,8 +16,8 @@ import typer
 
 from cli import output
 from cli.errors import LocalFileError
+from errors import InvalidModelName
 from registry.credentials import Credentials, login_file, registry_key, remove, save
-from registry.errors import InvalidModelName
 from registry.names import ModelName
 
 

@@ -10,7 +10,7 @@ from cli import output
 from cli.client import DaemonClient
 from cli.commands.common import client_from_env
 from cli.errors import DaemonUnreachable
-from registry.errors import CorralError, NotFound
+from errors import CorralError, NotFound
 
 
 def copy(

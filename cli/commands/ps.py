@@ -11,7 +11,7 @@ import typer
 
 from cli import output
 from cli.commands.common import client_from_env
-from registry.errors import ModelNotFound, NotFound
+from errors import ModelNotFound, NotFound
 
 HEADER = ("NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL")
 

@@ -22,7 +22,7 @@ from cli.client import DaemonClient
 from cli.commands.common import client_from_env
 from cli.errors import DaemonUnreachable
 from cli.progress import render_progress
-from registry.errors import CorralError, InvalidRequest, ModelNotFound, NotFound
+from errors import CorralError, InvalidRequest, ModelNotFound, NotFound
 
 THINK_LEVELS = ("true", "false", "high", "medium", "low", "max")
 

@@ -24,6 +24,6 @@ def serve(
 ) -> int:
     """Start corral."""
     settings = Settings.from_env(os.environ)
-    from daemon.server import serve as run_daemon
+    from daemon.api.server import serve as run_daemon
 
     return run_daemon(settings, insecure=insecure)

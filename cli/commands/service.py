@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 
 from cli import service_units as units
-from registry.errors import CorralError
+from errors import CorralError
 
 app = typer.Typer(help="Run corral as a background service (systemd or launchd).", no_args_is_help=True)
 

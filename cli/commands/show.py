@@ -8,7 +8,7 @@ import typer
 
 from cli import output
 from cli.commands.common import client_from_env
-from registry.errors import InvalidRequest
+from errors import InvalidRequest
 
 # flag -> (response field, what to print when the model has none)
 FIELDS: dict[str, tuple[str, str]] = {

@@ -1,5 +1,5 @@
 """``corral export NAME -o FILE`` and ``corral import FILE [--name NEW]``: a model as an OCI image layout tar, for
-machines without a network (the daemon builds and reads the archive; see ``daemon/routes/transfer.py``)."""
+machines without a network (the daemon builds and reads the archive; see ``daemon/api/routes/transfer.py``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from cli.client import CHUNK, error_for
 from cli.commands.common import client_from_env
 from cli.commands.create import show_event
 from cli.errors import DaemonConnectionError, LocalFileError
-from registry.errors import CorralError
+from errors import CorralError
 
 
 def _error(response: httpx.Response) -> CorralError:

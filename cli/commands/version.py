@@ -6,7 +6,7 @@ from __future__ import annotations
 from cli import __version__, output
 from cli.commands.common import client_from_env
 from daemon.version import OLLAMA_COMPAT_VERSION
-from registry.errors import CorralError
+from errors import CorralError
 
 
 def print_version() -> None:

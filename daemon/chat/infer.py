@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from daemon.gotemplate import TemplateError
+from daemon.templates.gotemplate import TemplateError
 
-# Node shapes (daemon/gotemplate.py): ("text", s), ("action", pos, pipe), ("if"|"with"|"range", pos, pipe, body,
+# Node shapes (daemon/templates/gotemplate.py): ("text", s), ("action", pos, pipe),
+# ("if"|"with"|"range", pos, pipe, body,
 # else), ("break"|"continue", pos); pipe = ("pipe", pos, decl, is_assign, cmds); cmd = ("cmd", pos, end, args);
 # an arg is ("field", pos, names), ("var", ...), ("chain", ...), ("lit", ...), ("ident", ...), ("dot", pos),
 # ("nil", pos) or a parenthesised pipe.
@@ -19,7 +20,9 @@ _CONTROL = ("if", "with", "range")
 
 def _root(source: str) -> list[Node] | None:
     """The template's top-level nodes, or None when it does not parse."""
-    from daemon.prompt import parse_template  # late: daemon.prompt is heavy and imports much of the daemon
+    from daemon.templates.prompt import (
+        parse_template,  # late: daemon.templates.prompt is heavy and imports much of the daemon
+    )
 
     try:
         return parse_template(source).root

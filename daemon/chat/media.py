@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from daemon import prompt as prompts
-from registry.errors import InvalidRequest
+from daemon.chat.types import Message
+from daemon.templates import prompt as prompts
+from errors import InvalidRequest
 
 #: the marker libmtmd replaces with an image's embeddings (mtmd_default_marker(); the runner checks it is the same)
 MEDIA_MARKER = "<__media__>"
@@ -44,19 +46,20 @@ def decode_image(data: Any, where: str) -> bytes:
     return raw
 
 
-def number_images(messages: Iterable[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], dict[int, str]]:
+def number_images(messages: Sequence[Message]) -> tuple[list[Message], dict[int, str]]:
     """The messages with their images written in as ``[img-N]`` tags (N across the whole chat) and the images
     (checked, base64) by N."""
-    msgs = list(messages)
     images: dict[int, str] = {}
-    for i, m in enumerate(msgs):
-        for j, data in enumerate(m.get("images") or []):
+    for i, m in enumerate(messages):
+        for j, data in enumerate(m.images):
             raw = decode_image(data, f"messages[{i}].images[{j}]")
             images[len(images)] = base64.b64encode(raw).decode()
-    tagged = prompts.tag_images(msgs)
-    for m in tagged:
-        m.pop("images", None)
-    return tagged, images
+    if not images:
+        return list(messages), images
+    tagged = prompts.tag_images([m.wire() for m in messages])
+    return [
+        dataclasses.replace(m, content=t["content"], images=()) for m, t in zip(messages, tagged, strict=True)
+    ], images
 
 
 def media_prompt(prompt: str, images: Mapping[int, str]) -> tuple[str, tuple[str, ...]]:

@@ -1,11 +1,12 @@
 """A model's chat behaviour, pure: which renderer or template makes its prompt, which parser reads its output, what
 it can do (thinking, tools), and the step from generated pieces to typed events (content, thinking, tool calls).
 
-The route code (daemon/routes/generate.py) holds the runner and the lease; everything here is text in, values out.
+The route code (daemon/api/routes/generate.py) holds the runner and the lease; everything here is text in, values out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -15,14 +16,25 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from daemon import prompt as prompts
 from daemon.chat import infer, renderers
 from daemon.chat.parsers import parser_for
 from daemon.chat.parsers.base import Parser
 from daemon.chat.parsers.tools import GenericParser
 from daemon.chat.schema import check_arguments
-from daemon.chat.types import Content, Event, Parsed, Thinking, ThinkValue, ToolCall, ToolCalls, think_enabled
-from registry.errors import InvalidRequest
+from daemon.chat.types import (
+    Content,
+    Event,
+    Message,
+    Parsed,
+    Thinking,
+    ThinkValue,
+    Tool,
+    ToolCall,
+    ToolCalls,
+    think_enabled,
+)
+from daemon.templates import prompt as prompts
+from errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -128,11 +140,20 @@ def normalise_think(think: Any) -> ThinkValue:
 
 def render(
     model: ChatModel,
+    messages: Sequence[Message],
+    tools: Sequence[Tool] | None,
+    think: ThinkValue,
+) -> str:
+    """The prompt for a chat: the model's RENDERER when it names one corral has, else its template."""
+    return _render(model, [m.wire() for m in messages], [t.spec for t in tools] if tools else None, think)
+
+
+def _render(
+    model: ChatModel,
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None,
     think: ThinkValue,
 ) -> str:
-    """The prompt for a chat: the model's RENDERER when it names one corral has, else its template."""
     if model.renderer:
         renderer = renderers.renderer_for(model.renderer)
         if renderer is not None:
@@ -141,20 +162,19 @@ def render(
     return prompts.render_messages(model.template, model.chat_template, messages, tools=tools, think=think)
 
 
-def strip_past_thinking(model: ChatModel, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def strip_past_thinking(model: ChatModel, messages: Sequence[Message]) -> list[Message]:
     """Earlier assistant turns (before the last user message) lose thinking written into their content between the
     model's tags: it only costs context and hurts answers (Ollama does this for qwen3 and deepseek-r1)."""
     opening, closing = model.think_tags
     if not opening:
-        return messages
-    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
+        return list(messages)
+    last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
     out = []
     for i, m in enumerate(messages):
-        content = m.get("content")
-        if m.get("role") == "assistant" and i < last_user and isinstance(content, str) and opening in content:
+        if m.role == "assistant" and i < last_user and opening in m.content:
             splitter = GenericParser((opening, closing), None, False)
             splitter.init(None, None, True)
-            m = {**m, "content": splitter.add(content, True).content}
+            m = dataclasses.replace(m, content=splitter.add(m.content, True).content)
         out.append(m)
     return out
 
@@ -162,30 +182,36 @@ def strip_past_thinking(model: ChatModel, messages: list[dict[str, Any]]) -> lis
 def output_parser(
     model: ChatModel,
     *,
-    tools: Sequence[Mapping[str, Any]] | None,
-    last: Mapping[str, Any] | None,
+    tools: Sequence[Tool] | None,
+    last: Message | None,
     think: ThinkValue,
     raw: bool = False,
     forced_call: bool = False,
-) -> tuple[Parser, bool, Sequence[Mapping[str, Any]] | None]:
+) -> tuple[Parser, bool, list[Tool] | None]:
     """The parser for one generation, initialised before the prompt is rendered (call :func:`rendered` after), whether
     it splits thinking off, and the tools to render (a parser may rename them, as harmony does). The Modelfile's
     PARSER, or the family's (``ChatModel.parser_name``), when corral has it; else the generic one: thinking between
     the tags inferred from the template (when ``think`` is on), tool calls after the tag the template uses (when
     tools were given). ``raw`` prompts get none of that. ``forced_call``: a grammar makes the answer one bare JSON
     call (tool_choice required or naming a tool), which the generic parser reads whatever the family's format is."""
+    specs = [t.spec for t in tools] if tools else None
+    last_wire = last.wire() if last is not None else None
     builtin = None if raw or forced_call else model.builtin_parser()
     if builtin is not None:
-        shown = builtin.init(tools or None, last, think)
-        return builtin, builtin.has_thinking and think is not False, shown if tools else None
+        shown = builtin.init(specs, last_wire, think)
+        return (
+            builtin,
+            builtin.has_thinking and think is not False,
+            [Tool.of(t) for t in shown or ()] if tools else None,
+        )
     opening, closing = model.think_tags
     thinks = not raw and think_enabled(think) and bool(opening)
     generic = GenericParser(
         (opening, closing) if thinks else None,
         ("{" if forced_call else tool_tag(model.template, model.chat_template)) if tools and not raw else None,
     )
-    generic.init(tools or None, last, think)
-    return generic, thinks, tools
+    generic.init(specs, last_wire, think)
+    return generic, thinks, list(tools) if tools else None
 
 
 def rendered(parser: Parser, model: ChatModel, prompt: str) -> None:
@@ -197,7 +223,7 @@ def rendered(parser: Parser, model: ChatModel, prompt: str) -> None:
 
 
 def is_call_schema(fmt: Any) -> bool:
-    """Whether ``fmt`` is the grammar the dialects build to force a tool call (daemon.routes.openai.call_schema)."""
+    """Whether ``fmt`` is the grammar the dialects build to force a tool call (daemon.api.routes.openai.call_schema)."""
     if not isinstance(fmt, Mapping):
         return False
     any_of = fmt.get("anyOf")
@@ -221,14 +247,12 @@ class EventStream:
     of a tool that was not declared, or with arguments that do not match the tool's schema, is not a tool call; its
     text stays in the answer as content, so nothing is lost."""
 
-    def __init__(self, parser: Parser, tools: Sequence[Mapping[str, Any]] | None) -> None:
+    def __init__(self, parser: Parser, tools: Sequence[Tool] | None) -> None:
         self.parser = parser
         self.schemas: dict[str, Mapping[str, Any] | None] = {}
         for t in tools or ():
-            fn = t.get("function") if isinstance(t.get("function"), Mapping) else t
-            if isinstance(fn, Mapping) and isinstance(fn.get("name"), str):
-                params = fn.get("parameters")
-                self.schemas[fn["name"]] = params if isinstance(params, Mapping) else None
+            if t.name:
+                self.schemas[t.name] = t.parameters
         self.calls = 0
 
     def add(self, text: str, logprobs: Iterable[dict[str, Any]] = (), *, done: bool = False) -> list[Event]:

@@ -1,10 +1,16 @@
-"""The typed values of a chat: tool calls, and the events a generation yields (content, thinking, tool calls,
-finished with its metrics). Every dialect translates these; none of them sees another dialect's wire shape."""
+"""The typed values of a chat: the messages and tools a request brings, tool calls, and the events a generation
+yields (content, thinking, tool calls, finished with its metrics). Every dialect translates to and from these; none
+of them sees another dialect's wire shape, and nothing in the chat core takes or returns wire dicts."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
+
+#: A JSON value as json.loads gives it (tool arguments, tool schemas).
+JSONValue: TypeAlias = "str | int | float | bool | None | list[JSONValue] | dict[str, JSONValue]"
+JSONObject: TypeAlias = "dict[str, JSONValue]"
 
 #: What a request's ``think`` may be: unset, on/off, or a level.
 ThinkValue = bool | str | None
@@ -26,13 +32,76 @@ class ToolCall:
     name: str
     arguments: dict[str, Any]
     id: str = ""
-    index: int = 0
+    index: int | None = None  # None: not given (a call in a request's message may lack it)
 
     def ollama(self) -> dict[str, Any]:
         """Ollama's wire shape: ``{"id", "function": {"index", "name", "arguments"}}``."""
-        out: dict[str, Any] = {"function": {"index": self.index, "name": self.name, "arguments": self.arguments}}
+        index = self.index if self.index is not None else 0
+        out: dict[str, Any] = {"function": {"index": index, "name": self.name, "arguments": self.arguments}}
         if self.id:
             out = {"id": self.id, **out}
+        return out
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call, as the request declared it. ``spec`` is the whole declaration in Ollama's shape
+    (``{"type": "function", "function": {"name", "description", "parameters"}}``), kept as given because templates
+    print it (a Jinja template sees it as JSON, key order and unknown keys included)."""
+
+    name: str
+    spec: JSONObject
+
+    @classmethod
+    def of(cls, spec: Mapping[str, Any]) -> Tool:
+        fn = spec.get("function")
+        name = fn.get("name") if isinstance(fn, Mapping) else spec.get("name")
+        return cls(name=name if isinstance(name, str) else "", spec=dict(spec))
+
+    @property
+    def parameters(self) -> Mapping[str, Any] | None:
+        """The JSON schema of the arguments, when the declaration has one."""
+        fn = self.spec.get("function")
+        params = (fn if isinstance(fn, Mapping) else self.spec).get("parameters")
+        return params if isinstance(params, Mapping) else None
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message of a chat, in the chat core's terms (Ollama's message: role, content, thinking, images as
+    base64, tool calls, the tool's name and call id for a tool result). ``role`` is lowercase."""
+
+    role: str
+    content: str = ""
+    thinking: str = ""
+    images: tuple[str, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_name: str = ""
+    tool_call_id: str = ""
+
+    def wire(self) -> dict[str, Any]:
+        """Ollama's wire shape, as templates see a message (fields left out when empty; a call's ``id`` is not
+        part of it, as in Ollama's ``api.ToolCall`` that templates range over)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.thinking:
+            out["thinking"] = self.thinking
+        if self.images:
+            out["images"] = list(self.images)
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "function": {
+                        "name": c.name,
+                        "arguments": c.arguments,
+                        **({"index": c.index} if c.index is not None else {}),
+                    }
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_name:
+            out["tool_name"] = self.tool_name
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from errors import CorralError
 from modelfile.params import DEFAULT_OPTIONS
-from registry.errors import CorralError
 
 
 def option_default(name: str) -> Any:

@@ -40,8 +40,8 @@ from daemon.runners.base import (
     Truncated,
 )
 from daemon.runners.protocol import HEADER, MAX_FRAME, encode
+from errors import InvalidRequest
 from modelfile.params import THREADS_PER_CPU, clamp_num_thread
-from registry.errors import InvalidRequest
 
 #: default seconds a load may go without progress (CORRAL_LOAD_TIMEOUT, as OLLAMA_LOAD_TIMEOUT); math.inf = forever
 LOAD_TIMEOUT = 300.0
@@ -70,7 +70,7 @@ _STARTING_NOFILE: int | None = None
 
 
 def remember_starting_limits() -> None:
-    """Note this process's open-file limit before the daemon raises it (``daemon.server`` calls this first), so
+    """Note this process's open-file limit before the daemon raises it (``daemon.api.server`` calls this first), so
     runners get the one the daemon was started with. Only the first call counts."""
     global _STARTING_NOFILE
     if _STARTING_NOFILE is not None:
@@ -227,7 +227,7 @@ class ProcessRunner:
             self._python,
             "-c",
             _BOOT,
-            "daemon.runners.llama_cpp",
+            "daemon.llama.runner",
             json.dumps(runner_limits()),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
@@ -273,7 +273,7 @@ class ProcessRunner:
                 + (reason or "see the daemon log for details")
             )
         self._info = msg.get("info") or {}
-        from daemon.memory import parse_llama_log
+        from daemon.scheduling.memory import parse_llama_log
 
         sizes = parse_llama_log(self._info.get("log_lines") or [])
         self._memory = MemoryUse(ram=sizes["ram"], vram=sizes["vram"])

@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from registry.errors import CorralError
+from errors import CorralError
 
 # Ollama's accepted names (fs/ggml ParseFileType; upper-cased first) -> llama.cpp's LLAMA_FTYPE.
 QUANT_TYPES: dict[str, int] = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K_S": 14, "Q4_K_M": 15, "Q4_K": 15, "BF16": 32}
@@ -50,7 +50,7 @@ class QuantizeFailed(CorralError):
 
 def parse_quant_type(raw: str) -> tuple[str, int]:
     """``q4_k_m`` -> ``("Q4_K_M", 15)``; an unknown name -> Ollama's 400 text listing the supported types."""
-    from registry.errors import InvalidRequest
+    from errors import InvalidRequest
 
     name = raw.upper()
     if name not in QUANT_TYPES:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from daemon.runners.sampling import SeqSampler, apply_penalties, logprobs, sample_rows
+from daemon.llama.sampling import SeqSampler, apply_penalties, logprobs, sample_rows
 
 
 def rows(n: int, vocab: int = 1000, seed: int = 0) -> np.ndarray:
@@ -130,7 +130,7 @@ def test_sampled_frequencies_match_the_exact_distribution(params: dict[str, floa
 
 
 def test_top_candidates_are_the_exact_top_k() -> None:
-    from daemon.runners.sampling import top_candidates
+    from daemon.llama.sampling import top_candidates
 
     rng = np.random.default_rng(2)
     for trial in range(200):
@@ -149,7 +149,7 @@ def test_top_candidates_are_the_exact_top_k() -> None:
 
 # -- logit_bias ---------------------------------------------------------------------------------------------------
 def biased(pairs: dict[int, float], vocab: int = 1000, **kw: float) -> SeqSampler:
-    from daemon.runners.sampling import bias_arrays, parse_logit_bias
+    from daemon.llama.sampling import bias_arrays, parse_logit_bias
 
     s = SeqSampler(repeat_penalty=1.0, **kw)  # type: ignore[arg-type]
     s.bias = bias_arrays(parse_logit_bias({str(k): v for k, v in pairs.items()}), vocab)
@@ -191,7 +191,7 @@ def test_logit_bias_is_added_before_penalties_and_shifts_the_distribution() -> N
 
 
 def test_logit_bias_leaves_unbiased_rows_on_the_vectorised_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    from daemon.runners import sampling
+    from daemon.llama import sampling
 
     calls: list[int] = []
     real = sampling.apply_bias
@@ -222,14 +222,14 @@ def test_logit_bias_leaves_unbiased_rows_on_the_vectorised_path(monkeypatch: pyt
     ],
 )
 def test_parse_logit_bias_refuses(value: object, words: str) -> None:
-    from daemon.runners.sampling import parse_logit_bias
+    from daemon.llama.sampling import parse_logit_bias
 
     with pytest.raises(ValueError, match=words):
         parse_logit_bias(value)
 
 
 def test_parse_logit_bias_accepts_both_forms_and_checks_the_vocabulary() -> None:
-    from daemon.runners.sampling import bias_arrays, parse_logit_bias
+    from daemon.llama.sampling import bias_arrays, parse_logit_bias
 
     assert parse_logit_bias({"9": -100, "2": 1.5, " 4": 0}) == ((2, 1.5), (4, 0.0), (9, -100.0))
     assert parse_logit_bias([[9, -100], [2, 1.5], [4, 0]]) == ((2, 1.5), (4, 0.0), (9, -100.0))

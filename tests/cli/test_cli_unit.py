@@ -30,8 +30,8 @@ from cli.modelfile_files import (
     resolve_from,
 )
 from daemon.settings import env_help
+from errors import CorralError, InvalidModelName, InvalidRequest, ModelNotFound, NotFound
 from registry.digest import Digest
-from registry.errors import CorralError, InvalidModelName, InvalidRequest, ModelNotFound, NotFound
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -23,7 +23,7 @@ from cli.client import DaemonClient
 from cli.commands.ps import processor, rows, until
 from cli.commands.run import think_value
 from cli.interactive import Repl, Session
-from registry.errors import InvalidRequest
+from errors import InvalidRequest
 from tests.compat.conftest import THINK_TEMPLATE
 from tests.conftest import REPO, Daemon, start_daemon, stop_daemon
 from tests.models import smollm2_path, write_tiny_gguf

@@ -22,13 +22,13 @@ import anthropic
 import httpx
 import pytest
 
-from daemon.bodies import BodyTooLarge
-from daemon.compat import anthropic_error
-from daemon.routes import anthropic as anth
-from daemon.runners.engine import PROMPT_TOO_LONG
+from daemon.api.bodies import BodyTooLarge
+from daemon.api.compat import anthropic_error
+from daemon.api.routes import anthropic as anth
+from daemon.llama.engine import PROMPT_TOO_LONG
 from daemon.runners.process import RunnerRequestError
-from daemon.scheduler import QueueFull
-from registry.errors import CorralError, ModelNotFound
+from daemon.scheduling.scheduler import QueueFull
+from errors import CorralError, ModelNotFound
 from tests.conftest import Daemon, start_daemon, stop_daemon
 
 pytestmark = pytest.mark.real_model

@@ -24,9 +24,9 @@ import openai
 import pytest
 import uvicorn
 
-from daemon.app import create_app
+from daemon.api.app import create_app
 from daemon.runners.base import Done, Event, GenerateRequest, LoadSpec, MemoryUse, Token
-from daemon.scheduler import ModelRef
+from daemon.scheduling.scheduler import ModelRef
 from daemon.settings import Settings
 from tests.fakes import FakeRunner
 from tests.models import write_tiny_gguf

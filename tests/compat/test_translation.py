@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
+from daemon.api.compat import BadParam, get, guarded
+from daemon.api.routes import anthropic as anth
+from daemon.api.routes import openai as oai
 from daemon.chat.types import Finished
-from daemon.compat import BadParam, get, guarded
-from daemon.routes import anthropic as anth
-from daemon.routes import openai as oai
-from registry.errors import CorralError
+from errors import CorralError
 
 pytestmark = pytest.mark.anyio
 

@@ -217,7 +217,7 @@ def test_a_stream_left_midway_stops_its_generation(smol_daemon: Daemon, path: st
 
 
 def test_budget_evicts_and_refuses(tmp_path: Path) -> None:
-    from daemon.memory import estimate
+    from daemon.scheduling.memory import estimate
     from registry.gguf import read_gguf_file
 
     est = estimate(read_gguf_file(SMOL), num_ctx=512, num_parallel=1, num_batch=512, n_gpu_layers=0)

@@ -16,8 +16,8 @@ import httpx
 import ollama
 import pytest
 
-from daemon.inference import Inference
-from daemon.memory import estimate
+from daemon.generation.inference import Inference
+from daemon.scheduling.memory import estimate
 from daemon.settings import GiB, Settings, SettingsError, default_context_length
 from tests.conftest import REPO, Daemon, free_port, start_daemon, stop_daemon
 from tests.models import smollm2_path, write_tiny_gguf

@@ -1,5 +1,5 @@
-"""The native-fault policy (daemon/fallback.py) and the scheduler's ladder of configurations, with fake runners
-that "crash" by a signal in chosen configurations (the real path: tests/daemon/test_runner_faults.py)."""
+"""The native-fault policy (daemon/scheduling/fallback.py) and the scheduler's ladder of configurations, with fake
+runners that "crash" by a signal in chosen configurations (the real path: tests/daemon/test_runner_faults.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import signal
 
 import pytest
 
-from daemon.eviction import Budget
-from daemon.fallback import Fallbacks, RunnerUnusable, fault_class, safer, weights_key
 from daemon.runners.base import LoadFailed, LoadSpec, MemoryUse, RunnerCrashed
-from daemon.scheduler import ModelRef, Scheduler
+from daemon.scheduling.eviction import Budget
+from daemon.scheduling.fallback import Fallbacks, RunnerUnusable, fault_class, safer, weights_key
+from daemon.scheduling.scheduler import ModelRef, Scheduler
 from tests.fakes import FakeRunner
 
 SEGV = int(signal.SIGSEGV)

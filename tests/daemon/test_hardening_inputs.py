@@ -127,7 +127,7 @@ def test_estimate_costs_the_tensors_not_the_declared_block_count() -> None:
     make the estimate or the layer split allocate or loop per declared layer."""
     import tracemalloc
 
-    from daemon.memory import choose_gpu_layers, estimate
+    from daemon.scheduling.memory import choose_gpu_layers, estimate
     from registry.gguf import GGUFInfo
 
     info = GGUFInfo(
@@ -157,7 +157,7 @@ def test_estimate_costs_the_tensors_not_the_declared_block_count() -> None:
 
 def _brute_force_layers(info: Any, budget: int, **kw: Any) -> int:
     """The old search: an estimate for every layer count from the top."""
-    from daemon.memory import estimate
+    from daemon.scheduling.memory import estimate
 
     for n in range(info.block_count, -1, -1):
         if estimate(info, n_gpu_layers=n, **kw).vram <= budget:
@@ -167,7 +167,7 @@ def _brute_force_layers(info: Any, budget: int, **kw: Any) -> int:
 
 @needs_smol
 def test_choose_gpu_layers_is_the_same_split_as_trying_every_count(tmp_path: Path) -> None:
-    from daemon.memory import choose_gpu_layers
+    from daemon.scheduling.memory import choose_gpu_layers
     from registry.gguf import read_gguf_file
 
     assert SMOL is not None

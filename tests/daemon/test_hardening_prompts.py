@@ -246,7 +246,7 @@ def test_many_distinct_request_templates_do_not_grow_the_daemon(tiny_daemon: Dae
 
 
 def test_byte_bounded_cache_keeps_total_bytes_under_its_bound() -> None:
-    from daemon.prompt import ByteBoundedCache
+    from daemon.templates.prompt import ByteBoundedCache
 
     made: list[str] = []
 
@@ -273,7 +273,7 @@ def test_byte_bounded_cache_keeps_total_bytes_under_its_bound() -> None:
 
 
 def test_template_caches_are_byte_bounded() -> None:
-    from daemon import prompt
+    from daemon.templates import prompt
 
     body = "{{1}}" * 2000  # 10 KB: estimated at 2 MB parsed, so 16 fit in the 32 MiB bound
     for i in range(60):
@@ -306,7 +306,7 @@ def measure(fn: Callable[[], Any]) -> tuple[BaseException | None, float, float]:
 
 @pytest.mark.parametrize(("kind", "why"), [("slow", "longer than"), ("memory", "memory")])
 def test_go_engine_stops_hostile_templates_in_time_and_memory(kind: str, why: str) -> None:
-    from daemon.gotemplate import TemplateError, parse
+    from daemon.templates.gotemplate import TemplateError, parse
 
     tmpl = parse(HOSTILE_GO[kind])
     err, elapsed, peak = measure(lambda: tmpl.execute({"Prompt": "hi"}))
@@ -317,7 +317,7 @@ def test_go_engine_stops_hostile_templates_in_time_and_memory(kind: str, why: st
 
 
 def test_go_engine_bounds_are_named_and_tunable() -> None:
-    from daemon.gotemplate import MAX_SOURCE, TemplateError, parse
+    from daemon.templates.gotemplate import MAX_SOURCE, TemplateError, parse
 
     with pytest.raises(TemplateError, match="longer than 0.2s"):
         parse('{{ range 1000000000 }}{{ $x := len "a" }}{{ end }}').execute({}, max_steps=10**9, timeout=0.2)
@@ -368,7 +368,7 @@ JINJA_ATTACKS = {
 
 @pytest.mark.parametrize("kind", sorted(JINJA_ATTACKS))
 def test_jinja_sandbox_stops_hostile_templates_in_time_and_memory(kind: str) -> None:
-    from daemon.prompt import TemplateError, render_jinja
+    from daemon.templates.prompt import TemplateError, render_jinja
 
     err, elapsed, peak = measure(lambda: render_jinja(JINJA_ATTACKS[kind], HI))
     print(f"{kind}: {err} in {elapsed:.2f}s, peak {peak:.0f} MB")
@@ -378,7 +378,7 @@ def test_jinja_sandbox_stops_hostile_templates_in_time_and_memory(kind: str) -> 
 
 
 def test_jinja_bounds_leave_real_templates_alone() -> None:
-    from daemon.prompt import render_jinja
+    from daemon.templates.prompt import render_jinja
 
     msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i} " + "w" * 200} for i in range(5000)]
     t0 = time.monotonic()
@@ -417,8 +417,8 @@ def fake_lease(count: Callable[[str], int], calls: list[str]) -> Any:
 
 @pytest.mark.parametrize("template", ["go", "jinja", "plain"])
 def test_truncation_by_binary_search_keeps_the_old_prompt(template: str) -> None:
-    from daemon import prompt as prompts
-    from daemon.routes.generate import render_chat
+    from daemon.api.routes.generate import render_chat
+    from daemon.templates import prompt as prompts
 
     go = "{{ if .System }}[S]{{ .System }}{{ end }}{{ range .Messages }}<{{ .Role }}>{{ .Content }}{{ end }}<a>"
     tpl, jinja = (go if template == "go" else None), (CHATML if template == "jinja" else None)
@@ -452,8 +452,8 @@ def test_truncation_by_binary_search_keeps_the_old_prompt(template: str) -> None
 
 
 def test_truncating_a_long_chat_takes_a_few_renders() -> None:
-    from daemon.prompt import render_messages
-    from daemon.routes.generate import render_chat
+    from daemon.api.routes.generate import render_chat
+    from daemon.templates.prompt import render_messages
 
     ctx = SimpleNamespace(template=None, chat_template=CHATML, chat=ChatModel(chat_template=CHATML))
     calls: list[str] = []

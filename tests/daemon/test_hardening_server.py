@@ -418,7 +418,7 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 @contextlib.contextmanager
 def serving(**limits: Any) -> Iterator[tuple[str, int]]:
-    from daemon import server as srv
+    from daemon.api import server as srv
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -550,7 +550,7 @@ def test_connection_cap_evicts_the_longest_idle_connection_and_refuses_when_all_
 
 
 def test_raise_open_file_limit() -> None:
-    from daemon import server as srv
+    from daemon.api import server as srv
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from daemon.catalog import Catalog
-from daemon.inference import Inference
+from daemon.generation.inference import Inference
+from daemon.models.catalog import Catalog
 from daemon.settings import Settings
-from registry.errors import ModelNotFound
+from errors import ModelNotFound
 from registry.manifest import CONFIG_MEDIA_TYPE, MEDIA_MODEL, MEDIA_SYSTEM, Layer, Manifest
 from registry.names import ModelName
 from registry.store import Store

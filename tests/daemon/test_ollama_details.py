@@ -124,7 +124,7 @@ def test_requires_is_kept_shown_round_tripped_and_checked(daemon: Daemon, tiny_g
 # -- 3. corral run --format --------------------------------------------------------------------------------------
 def test_parse_format(tmp_path: Path) -> None:
     from cli.commands.run import parse_format
-    from registry.errors import InvalidRequest
+    from errors import InvalidRequest
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     assert parse_format(None) is None and parse_format("") is None

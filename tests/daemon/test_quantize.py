@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from daemon.runners.quantize import SOURCE_ERROR, parse_quant_type
-from registry.errors import InvalidRequest
+from errors import InvalidRequest
 from registry.gguf import read_gguf_file
 from tests.conftest import Daemon
 from tests.models import write_tiny_gguf

@@ -86,7 +86,7 @@ def test_runner_gets_the_daemons_starting_open_file_limit_and_no_core_dumps(low_
     print(f"daemon open files {daemon_nofile}; runner {runner['Max open files']}, core {runner['Max core file size']}")
     assert runner["Max open files"] == (str(STARTING_NOFILE), str(STARTING_NOFILE))
     assert runner["Max core file size"] == ("0", "0")
-    assert "daemon.runners.llama_cpp" in " ".join(runner_of(d).cmdline())  # still found by its command line
+    assert "daemon.llama.runner" in " ".join(runner_of(d).cmdline())  # still found by its command line
 
 
 def test_num_thread_above_the_machines_bound_runs_clamped_and_says_so(low_nofile_daemon: Daemon) -> None:

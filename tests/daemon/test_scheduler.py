@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from daemon.eviction import Budget, Loaded, decide
 from daemon.runners.base import LoadFailed, LoadSpec, MemoryUse
-from daemon.scheduler import InsufficientMemory, ModelRef, QueueFull, Scheduler
+from daemon.scheduling.eviction import Budget, Loaded, decide
+from daemon.scheduling.scheduler import InsufficientMemory, ModelRef, QueueFull, Scheduler
 from tests.fakes import FakeRunner
 
 GB = 10**9

@@ -30,7 +30,7 @@ WRITE_TIMEOUT = 2.0
 # `corral serve` with only Limits.write_timeout changed
 LAUNCH = f"""
 import dataclasses
-from daemon import server
+from daemon.api import server
 base = server.Limits.for_open_files.__func__
 server.Limits.for_open_files = classmethod(
     lambda cls, nofile: dataclasses.replace(base(cls, nofile), write_timeout={WRITE_TIMEOUT})
@@ -137,7 +137,7 @@ async def big_answer(scope: dict[str, Any], receive: Any, send: Any) -> None:
 def test_without_the_kernel_clock_a_full_buffer_starts_the_daemons(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from daemon import server as srv
+    from daemon.api import server as srv
 
     monkeypatch.delattr(socket, "TCP_USER_TIMEOUT", raising=False)
     sock = socket.socket()
@@ -145,7 +145,7 @@ def test_without_the_kernel_clock_a_full_buffer_starts_the_daemons(
     sock.listen(16)
     s = srv.make_server(big_answer, limits=srv.Limits(write_timeout=1.0))
     t = threading.Thread(target=s.run, kwargs={"sockets": [sock]}, daemon=True)
-    caplog.set_level(logging.INFO, logger="daemon.server")
+    caplog.set_level(logging.INFO, logger="daemon.api.server")
     t.start()
     try:
         deadline = time.monotonic() + 10

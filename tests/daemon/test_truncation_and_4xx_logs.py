@@ -21,7 +21,7 @@ import httpx
 import ollama
 import pytest
 
-from daemon.errors import REASON_CHARS, RefusalLog
+from daemon.api.errors import REASON_CHARS, RefusalLog
 from tests.conftest import Daemon, start_daemon, stop_daemon
 from tests.models import write_tiny_gguf
 
@@ -234,7 +234,7 @@ def call(mw: RefusalLog, path: str = "/api/chat") -> None:
 def test_repeats_are_counted_and_said_when_the_window_ends(caplog: pytest.LogCaptureFixture) -> None:
     now = [1000.0]
     mw = RefusalLog(refusing(400, b'{"error": "model is required"}'), interval=60, clock=lambda: now[0])
-    caplog.set_level(logging.INFO, logger="daemon.errors")
+    caplog.set_level(logging.INFO, logger="daemon.api.errors")
     for _ in range(5):
         call(mw)
         now[0] += 1
@@ -259,7 +259,7 @@ def test_held_back_refusals_are_said_when_their_window_ends_without_a_repeat(cap
         await refusing(400, shapes[scope["path"]])(scope, receive, send)
 
     mw = RefusalLog(app, interval=60, clock=lambda: now[0])
-    caplog.set_level(logging.INFO, logger="daemon.errors")
+    caplog.set_level(logging.INFO, logger="daemon.api.errors")
     call(mw, "/api/chat")
     call(mw, "/api/chat")
     call(mw, "/api/chat")
@@ -273,7 +273,7 @@ def test_held_back_refusals_are_said_when_their_window_ends_without_a_repeat(cap
 
 def test_long_reasons_are_cut_unless_prompts_may_be_logged(caplog: pytest.LogCaptureFixture) -> None:
     reason = "x" * (REASON_CHARS * 3)
-    caplog.set_level(logging.INFO, logger="daemon.errors")
+    caplog.set_level(logging.INFO, logger="daemon.api.errors")
     call(RefusalLog(refusing(400, f'{{"error": "{reason}"}}'.encode())))
     assert reason not in caplog.records[-1].getMessage()
     assert f"{REASON_CHARS * 2} more characters" in caplog.records[-1].getMessage()
@@ -286,8 +286,8 @@ def test_a_shared_log_file_never_sees_a_second_line_for_one_answer(tmp_path: Pat
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("daemon.errors").addHandler(handler)
-    logging.getLogger("daemon.errors").setLevel(logging.INFO)
+    logging.getLogger("daemon.api.errors").addHandler(handler)
+    logging.getLogger("daemon.api.errors").setLevel(logging.INFO)
     try:
 
         async def pieces(scope: Any, receive: Any, send: Any) -> None:
@@ -304,7 +304,7 @@ def test_a_shared_log_file_never_sees_a_second_line_for_one_answer(tmp_path: Pat
         with pytest.raises(RuntimeError):
             call(RefusalLog(cut))
     finally:
-        logging.getLogger("daemon.errors").removeHandler(handler)
+        logging.getLogger("daemon.api.errors").removeHandler(handler)
     assert records == [
         "request refused method=POST path=/api/chat status=422 reason=bad",
         'request refused method=POST path=/api/chat status=413 reason="{\\"error\\": \\"too"',

@@ -20,8 +20,8 @@ from cli.commands.show import projector_rows, summary
 from cli.errors import LocalFileError
 from cli.modelfile_files import ModelfileSource
 from cli.output import format_count
-from daemon.catalog import Catalog
-from daemon.create import media_type_for
+from daemon.models.catalog import Catalog
+from daemon.models.create import media_type_for
 from registry.digest import Digest
 from registry.download import Downloads
 from registry.gguf import GGUFInfo, read_gguf_file

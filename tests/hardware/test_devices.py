@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from daemon import hardware
+from daemon.generation.inference import Inference
 from daemon.hardware import (
     GPU,
     Device,
@@ -28,10 +29,9 @@ from daemon.hardware import (
     offload_devices,
     run_probe,
 )
-from daemon.inference import Inference
-from daemon.runners.probe import cpu_features, parse_system_info
+from daemon.llama.probe import cpu_features, parse_system_info
 from daemon.settings import Settings
-from registry.errors import InvalidRequest
+from errors import InvalidRequest
 from tests.conftest import REPO, start_daemon, stop_daemon
 from tests.models import write_tiny_gguf
 
@@ -41,7 +41,7 @@ GiB = 1 << 30
 # -- the probe on this (CPU-only) build -------------------------------------------------------------------------
 def test_probe_child_prints_only_json_listing_the_cpu() -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "daemon.runners.probe"],
+        [sys.executable, "-m", "daemon.llama.probe"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from daemon.hardware import GPU, Hardware, budgets, describe, detect
-from daemon.memory import choose_gpu_layers, estimate, parse_llama_log
+from daemon.scheduling.memory import choose_gpu_layers, estimate, parse_llama_log
 from registry.gguf import read_gguf_file
 from tests.models import smollm2_path
 

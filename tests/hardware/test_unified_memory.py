@@ -17,10 +17,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from daemon import hardware
-from daemon.eviction import Budget, Loaded, decide
+from daemon.generation.inference import Inference
 from daemon.hardware import GPU, Hardware, budgets, describe, detect
-from daemon.inference import Inference
 from daemon.runners.base import MemoryUse
+from daemon.scheduling.eviction import Budget, Loaded, decide
 from daemon.settings import Settings
 from tests.hardware.test_devices import CountingProbe, _probe_of
 from tests.models import write_tiny_gguf

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from errors import InvalidRequest
 from modelfile import DEFAULT_OPTIONS, OPTION_TYPES, ParameterError, coerce_parameter, validate_options
-from registry.errors import InvalidRequest
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import pickle
 
 import pytest
 
+from errors import InvalidRequest
 from modelfile import (
     Adapter,
     Draft,
@@ -23,7 +24,6 @@ from modelfile import (
     parse,
     render,
 )
-from registry.errors import InvalidRequest
 
 F = From("x")
 

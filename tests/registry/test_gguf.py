@@ -15,7 +15,7 @@ import gguf
 import pytest
 
 import registry.gguf as gguf_module
-from registry.errors import InvalidGGUF, InvalidRequest
+from errors import InvalidGGUF, InvalidRequest
 from registry.gguf import GGUFInfo, format_parameter_count, model_info, read_gguf_file, read_gguf_header
 from tests.models import hostile_gguf_variants, smollm2_path, write_tiny_gguf
 
@@ -216,7 +216,7 @@ def test_reader_is_stdlib_only() -> None:
             imported |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
             imported.add(node.module if node.module.startswith("registry") else node.module.split(".")[0])
-    assert imported - {"registry.errors"} <= set(sys.stdlib_module_names), imported
+    assert imported - {"errors"} <= set(sys.stdlib_module_names), imported
 
 
 def test_tiny_model_runs_in_llama_cpp(tiny_gguf: Path) -> None:

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
+from errors import InvalidDigest, InvalidModelName
 from registry.digest import Digest
-from registry.errors import InvalidDigest, InvalidModelName
 from registry.names import ModelName
 
 

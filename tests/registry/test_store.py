@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from errors import DigestMismatch, ModelNotFound, StoreLocked
 from registry.digest import Digest
-from registry.errors import DigestMismatch, ModelNotFound, StoreLocked
 from registry.manifest import CONFIG_MEDIA_TYPE, MEDIA_MODEL, MEDIA_SYSTEM, Layer, Manifest
 from registry.names import ModelName
 from registry.store import Store

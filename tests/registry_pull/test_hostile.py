@@ -16,9 +16,7 @@ from typing import Any
 
 import pytest
 
-from registry.digest import Digest
-from registry.download import Downloads, Tuning
-from registry.errors import (
+from errors import (
     BlobDigestMismatch,
     CorralError,
     InsecureRegistry,
@@ -28,6 +26,8 @@ from registry.errors import (
     RegistryUnauthorized,
     RegistryUnreachable,
 )
+from registry.digest import Digest
+from registry.download import Downloads, Tuning
 from registry.pull import Puller
 from registry.store import Store, partial_digest
 from tests.registry_pull.fake_registry import (

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 import registry.remote
+from errors import CorralError
 from registry.digest import Digest
-from registry.errors import CorralError
 from registry.fetch import Rejected, Stalled, Transient, open_range
 from registry.names import ModelName
 from registry.remote import RegistryClient

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from daemon.errors import status_for
+from daemon.api.errors import status_for
+from errors import CorralError, RegistryProtocolError, RegistryUnreachable
 from registry.digest import Digest
 from registry.download import Tuning
-from registry.errors import CorralError, RegistryProtocolError, RegistryUnreachable
 from registry.store import Store
 from tests.registry_pull.fake_registry import MODEL_TYPE, FakeRegistry, ServerThread, digest_of
 from tests.registry_pull.test_hostile import CONFIG, FAST, assert_nothing_visible, pull

@@ -17,10 +17,10 @@ import pytest
 from rich.console import Console
 
 from cli.progress import render_progress
+from errors import CredentialsError, InsecureRegistry, RegistryProtocolError
 from registry.credentials import Credentials, auth_files, lookup, registry_key, remove, save
 from registry.digest import Digest
 from registry.download import Downloads, Tuning, plan_parts
-from registry.errors import CredentialsError, InsecureRegistry, RegistryProtocolError
 from registry.manifest import Layer, Manifest
 from registry.names import ModelName
 from registry.pull import Puller
@@ -431,7 +431,7 @@ def test_push_uploads_only_missing_blobs_in_chunks(fake: tuple[FakeRegistry, Ser
 
 
 def test_push_of_a_missing_model(tmp_path: Path) -> None:
-    from registry.errors import ModelNotFound
+    from errors import ModelNotFound
 
     with pytest.raises(ModelNotFound, match="model 'registry.example/ns/none:v1' not found"):
         Pusher(Store(tmp_path / "models")).run("registry.example/ns/none:v1")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from daemon.runners.engine import common_prefix
+from daemon.llama.engine import common_prefix
 
 
 def count(a: list[int], b: list[int]) -> int:

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from daemon.llama.engine import COMPACT_MIN_LEFT
 from daemon.runners.base import LoadSpec
-from daemon.runners.engine import COMPACT_MIN_LEFT
 from tests.runners.test_compute_thread import Chan, load
 
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
+from daemon.llama.engine import FIRST_TOKEN_PAUSE, EngineError
+from daemon.llama.runner import Runner
 from daemon.runners.base import LoadSpec
-from daemon.runners.engine import FIRST_TOKEN_PAUSE, EngineError
-from daemon.runners.llama_cpp import Runner
 from tests.models import smollm2_path
 
 # Runners made here stay referenced for the whole session: each installs its log callback in llama.cpp, which must

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
+from daemon.llama.engine import MIN_GAIN
+from daemon.llama.runner import Runner
 from daemon.runners.base import LoadSpec
-from daemon.runners.engine import MIN_GAIN
-from daemon.runners.llama_cpp import Runner
 from tests.models import smollm2_path, write_tiny_gguf
 from tests.runners.test_compute_thread import _KEEP, Chan
 

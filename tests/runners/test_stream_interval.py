@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from daemon.llama.engine import merge_pieces
 from daemon.runners.base import LoadSpec
-from daemon.runners.engine import merge_pieces
 from tests.runners.test_compute_thread import Chan, load
 
 

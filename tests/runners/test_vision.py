@@ -1,4 +1,4 @@
-"""daemon/runners/vision.py: image bounds and sniffing (pure), and images through the test projector into SmolLM2
+"""daemon/llama/vision.py: image bounds and sniffing (pure), and images through the test projector into SmolLM2
 in-process (in a child process, so a native fault cannot take pytest down)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from daemon.runners.vision import (
+from daemon.llama.vision import (
     MAX_IMAGE_BYTES,
     MAX_IMAGE_SIDE,
     MediaPrompt,
@@ -110,7 +110,7 @@ def test_prefix_reuse_stops_at_image_starts() -> None:
 
 
 def test_daemon_side_helpers_do_not_load_llama_cpp() -> None:
-    code = "import sys, daemon.runners.vision as v; v.check_image(b'GIF89a\\x01\\x00\\x01\\x00'); "
+    code = "import sys, daemon.llama.vision as v; v.check_image(b'GIF89a\\x01\\x00\\x01\\x00'); "
     code += "print(any(m.startswith('llama_cpp') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -124,7 +124,7 @@ sys.path.insert(0, sys.argv[2])
 import numpy as np
 import llama_cpp
 import llama_cpp.llama_cpp as low
-from daemon.runners.vision import Projector
+from daemon.llama.vision import Projector
 from tests.vision import image_bytes
 
 args = json.loads(sys.argv[1])

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from cli.chat import extract_images
-from daemon.inference import ModelContext
-from daemon.memory import choose_gpu_layers, estimate, projector_file_memory, projector_memory
-from daemon.runners.engine import split_at_image
+from daemon.generation.inference import ModelContext
+from daemon.llama.engine import split_at_image
+from daemon.scheduling.memory import choose_gpu_layers, estimate, projector_file_memory, projector_memory
 from registry.gguf import read_gguf_file
 from registry.names import ModelName
 from tests.models import write_tiny_gguf

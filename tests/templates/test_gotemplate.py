@@ -1,4 +1,4 @@
-"""The Go text/template subset (daemon/gotemplate.py): language, functions, errors, limits."""
+"""The Go text/template subset (daemon/templates/gotemplate.py): language, functions, errors, limits."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.gotemplate import Struct, TemplateError, go_json, parse
-from registry.errors import InvalidRequest
+from daemon.templates.gotemplate import Struct, TemplateError, go_json, parse
+from errors import InvalidRequest
 
 
 def render(text: str, data: Any = None) -> str:

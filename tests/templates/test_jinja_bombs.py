@@ -1,6 +1,6 @@
 """Jinja chat-template bombs built from ranges and other iterables (issue 25): every filter, method and operator
 that builds a string or a list from an iterable is bounded *before* it builds, measured by the peak resident memory
-of a real process rendering through :func:`daemon.prompt.render_jinja` (the path the daemon takes).
+of a real process rendering through :func:`daemon.templates.prompt.render_jinja` (the path the daemon takes).
 
 Each template runs in a fresh child process that resets its kernel-kept peak (``/proc/self/clear_refs``) before
 the render and reads ``VmHWM`` after it, so a value built and thrown away in one C call counts. The bound per template
@@ -47,7 +47,7 @@ BOMBS = {
 
 CHILD = r"""
 import json, sys
-from daemon.prompt import TemplateError, render_jinja
+from daemon.templates.prompt import TemplateError, render_jinja
 
 def status(key):
     with open("/proc/self/status") as f:
@@ -95,7 +95,7 @@ def test_iterables_still_join_and_print_as_jinja_does() -> None:
     plain jinja2 renders them."""
     import jinja2.sandbox
 
-    from daemon.prompt import render_jinja
+    from daemon.templates.prompt import render_jinja
 
     plain = jinja2.sandbox.ImmutableSandboxedEnvironment()
     plain.filters["tojson"] = lambda x: json.dumps(x, ensure_ascii=False)  # as Hugging Face's (and corral's)

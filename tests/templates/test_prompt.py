@@ -1,4 +1,4 @@
-"""Prompt building (daemon/prompt.py): Ollama library templates, legacy templates, tools, Jinja, fallbacks."""
+"""Prompt building (daemon/templates/prompt.py): Ollama library templates, legacy templates, tools, Jinja, fallbacks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from daemon.prompt import (
+from daemon.templates.prompt import (
     DEFAULT_TEMPLATE,
     TemplateError,
     collate,

@@ -11,7 +11,7 @@ from daemon.chat.renderers import register
 from daemon.chat.renderers.base import Message, Tool
 from daemon.chat.renderers.qwen3_coder import check_roles, function_of, text
 from daemon.chat.types import ThinkValue, think_enabled
-from registry.errors import InvalidRequest
+from errors import InvalidRequest
 
 Q = '<|"|>'  # Gemma 4's string delimiter
 ROLES = ("system", "developer", "user", "assistant", "tool")

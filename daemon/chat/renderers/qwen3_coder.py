@@ -9,7 +9,7 @@ from typing import Any
 from daemon.chat.renderers import register
 from daemon.chat.renderers.base import Message, Tool
 from daemon.chat.types import ThinkValue
-from registry.errors import InvalidRequest
+from errors import InvalidRequest
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"

@@ -7,21 +7,22 @@ import base64
 import pytest
 
 from daemon.chat import media
-from registry.errors import InvalidRequest
+from daemon.chat.types import Message
+from errors import InvalidRequest
 
 A, B = base64.b64encode(b"image A").decode(), base64.b64encode(b"image B").decode()
 
 
 def test_images_are_numbered_across_the_chat_and_sent_in_marker_order() -> None:
     msgs = [
-        {"role": "user", "content": "first", "images": [A]},
-        {"role": "assistant", "content": "ok"},
-        {"role": "user", "content": "compare [img] with this", "images": [B, A]},
+        Message(role="user", content="first", images=(A,)),
+        Message(role="assistant", content="ok"),
+        Message(role="user", content="compare [img] with this", images=(B, A)),
     ]
     tagged, images = media.number_images(msgs)
-    assert [m["content"] for m in tagged][:2] == ["[img-0]first", "ok"]
-    assert tagged[2]["content"] == "[img-2]compare [img-1] with this"
-    assert all("images" not in m for m in tagged) and images == {0: A, 1: B, 2: A}
+    assert [m.content for m in tagged][:2] == ["[img-0]first", "ok"]
+    assert tagged[2].content == "[img-2]compare [img-1] with this"
+    assert all(not m.images for m in tagged) and images == {0: A, 1: B, 2: A}
     # the oldest message dropped to fit the context: its image goes with it
     prompt, ordered = media.media_prompt("U: [img-2]compare [img-1] with this", images)
     assert prompt == f"U: {media.MEDIA_MARKER}compare {media.MEDIA_MARKER} with this" and ordered == (A, B)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from daemon.chat import parsers, pipeline, renderers
 from daemon.chat.parsers.tools import GenericParser
 from daemon.chat.pipeline import ChatModel, EventStream
-from daemon.chat.types import Content, Parsed, Thinking, ToolCall, ToolCalls
+from daemon.chat.types import Content, Message, Parsed, Thinking, Tool, ToolCall, ToolCalls
 
 QWEN3 = """{{- range .Messages }}<|im_start|>{{ .Role }}
 {{ if .Thinking }}<think>{{ .Thinking }}</think>{{ end }}{{ if .ToolCalls }}<tool_call>
@@ -47,8 +47,8 @@ def test_family_detected_from_template_markers() -> None:
 
 def test_generic_parser_with_inferred_tags_and_prefill() -> None:
     model = ChatModel(template=QWEN3)
-    parser, thinks, tools = pipeline.output_parser(model, tools=[WEATHER], last=None, think=True)
-    assert thinks and tools == [WEATHER] and isinstance(parser, GenericParser)
+    parser, thinks, tools = pipeline.output_parser(model, tools=[Tool.of(WEATHER)], last=None, think=True)
+    assert thinks and tools == [Tool.of(WEATHER)] and isinstance(parser, GenericParser)
     pipeline.rendered(parser, model, "<|im_start|>assistant\n<think>")
     stream = EventStream(parser, tools)
     events = []
@@ -69,7 +69,7 @@ def test_generic_parser_with_inferred_tags_and_prefill() -> None:
 
     off, thinks, _ = pipeline.output_parser(model, tools=None, last=None, think=False)
     assert not thinks and off.add("<think>x</think>y", True).content == "<think>x</think>y"
-    raw, thinks, _ = pipeline.output_parser(model, tools=[WEATHER], last=None, think=True, raw=True)
+    raw, thinks, _ = pipeline.output_parser(model, tools=[Tool.of(WEATHER)], last=None, think=True, raw=True)
     assert not thinks and raw.add("<think>x", True).content == "<think>x"
 
 
@@ -90,15 +90,15 @@ class _Fixed:
 
 def test_calls_are_checked_against_the_request() -> None:
     undeclared = Parsed(calls=[ToolCall("rm_rf", {"path": "/"})])
-    events = EventStream(_Fixed(undeclared), [WEATHER]).add("x")
+    events = EventStream(_Fixed(undeclared), [Tool.of(WEATHER)]).add("x")
     assert events == [Content('{"name": "rm_rf", "arguments": {"path": "/"}}')]
     missing = Parsed(calls=[ToolCall("get_weather", {"town": "Paris"})])
-    events = EventStream(_Fixed(missing), [WEATHER]).add("x")
+    events = EventStream(_Fixed(missing), [Tool.of(WEATHER)]).add("x")
     assert len(events) == 1 and isinstance(events[0], Content) and "get_weather" in events[0].text
     coerced = Parsed(
         content="ok ", calls=[ToolCall("get_weather", {"city": "Paris"}), ToolCall("get_weather", {"city": "Rome"})]
     )
-    events = EventStream(_Fixed(coerced), [WEATHER]).add("x")
+    events = EventStream(_Fixed(coerced), [Tool.of(WEATHER)]).add("x")
     assert events[0] == Content("ok ") and isinstance(events[1], ToolCalls)
     assert [c.index for c in events[1].calls] == [0, 1] and len({c.id for c in events[1].calls}) == 2
     assert EventStream(_Fixed(Parsed()), None).add("x", ({"token": "x"},)) == [Content("", ({"token": "x"},))]
@@ -113,12 +113,12 @@ def test_a_failing_parser_loses_nothing() -> None:
 
 
 def test_forced_call_schema_is_read_as_bare_json() -> None:
-    from daemon.routes.openai import call_schema
+    from daemon.api.routes.openai import call_schema
 
     assert pipeline.is_call_schema(call_schema([WEATHER])) and pipeline.is_call_schema(call_schema([WEATHER, WEATHER]))
     assert not pipeline.is_call_schema({"type": "object"}) and not pipeline.is_call_schema("json")
     parser, _, _ = pipeline.output_parser(
-        ChatModel(template=QWEN3), tools=[WEATHER], last=None, think=False, forced_call=True
+        ChatModel(template=QWEN3), tools=[Tool.of(WEATHER)], last=None, think=False, forced_call=True
     )
     out = parser.add('{"name": "get_weather", "arguments": {"city": "Oslo"}}', True)
     assert [c.arguments for c in out.calls] == [{"city": "Oslo"}]
@@ -126,19 +126,19 @@ def test_forced_call_schema_is_read_as_bare_json() -> None:
 
 def test_past_thinking_is_dropped_from_earlier_turns() -> None:
     msgs = [
-        {"role": "user", "content": "a"},
-        {"role": "assistant", "content": "<think>long</think>answer"},
-        {"role": "user", "content": "b"},
+        Message(role="user", content="a"),
+        Message(role="assistant", content="<think>long</think>answer"),
+        Message(role="user", content="b"),
     ]
     out = pipeline.strip_past_thinking(ChatModel(template=QWEN3), msgs)
-    assert out[1]["content"] == "answer" and msgs[1]["content"].startswith("<think>")
+    assert out[1].content == "answer" and msgs[1].content.startswith("<think>")
     assert pipeline.strip_past_thinking(ChatModel(template=PLAIN), msgs) == msgs
 
 
 def test_renderer_named_in_the_modelfile_is_used() -> None:
     model = ChatModel(template=PLAIN, renderer="qwen3-coder")
-    text = pipeline.render(model, [{"role": "user", "content": "hi"}], None, None)
+    text = pipeline.render(model, [Message(role="user", content="hi")], None, None)
     assert text.endswith("<|im_start|>assistant\n") and "hi" in text
     assert renderers.renderer_for("no-such") is None
     unknown = ChatModel(template="{{ range .Messages }}<<{{ .Content }}>>{{ end }}", renderer="no-such")
-    assert pipeline.render(unknown, [{"role": "user", "content": "hi"}], None, None) == "<<hi>>"
+    assert pipeline.render(unknown, [Message(role="user", content="hi")], None, None) == "<<hi>>"

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from daemon.chat.renderers import harmony, names, renderer_for
-from registry.errors import InvalidRequest
+from errors import InvalidRequest
 
 WEATHER: dict[str, Any] = {
     "type": "function",

@@ -1,0 +1,94 @@
+"""``GET /api/ps`` (loaded models) and ``GET /api/info`` (hardware and budgets)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from errors import CorralError
+
+router = APIRouter()
+
+
+def _rfc3339_wall(ts: float) -> str:
+    ts = min(ts, 253402300799.0)  # datetime's limit (year 9999)
+    dt = datetime.fromtimestamp(ts).astimezone()
+    offset = dt.strftime("%z")
+    zone = "Z" if offset in ("+0000", "-0000") else f"{offset[:3]}:{offset[3:]}"
+    return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond:06d}000" + zone
+
+
+async def _slots(runner: Any) -> list[dict[str, Any]] | None:
+    ask = getattr(runner, "slots", None)
+    if ask is None or not runner.alive():
+        return None
+    try:
+        return list(await asyncio.wait_for(ask(), 2.0))
+    except (TimeoutError, CorralError):
+        return None
+
+
+@router.get("/api/ps")
+async def ps(request: Request) -> dict[str, Any]:
+    models = []
+    for item in request.app.state.scheduler.loaded():
+        e = item["entry"]
+        slots = None if e.loading else await _slots(e.runner)
+        models.append(
+            {
+                "name": e.ref.name,
+                "model": e.ref.name,
+                "size": e.memory.total,
+                "digest": e.ref.digest,
+                "details": e.ref.details,
+                "expires_at": _rfc3339_wall(item["expires_at_wall"]),
+                "size_vram": e.memory.vram,
+                "context_length": e.spec.num_ctx,
+                "kv_cache_type": e.spec.kv_cache_type,
+                "flash_attention": e.spec.flash_attn,  # corral: as loaded
+                "num_parallel": e.spec.num_parallel,  # corral: sequence slots batched together in this runner
+                "names": sorted(e.names, key=lambda n: -e.names[n]),  # corral: every name this runner serves
+                **({"fallback": e.fallback} if e.fallback else {}),  # corral: the safer configuration in force, and why
+                **({"slots": slots} if slots is not None else {}),  # corral: busy, and cached tokens for reuse
+            }
+        )
+    return {"models": models}
+
+
+@router.get("/api/info")
+def info(request: Request) -> dict[str, Any]:
+    """The hardware (llama.cpp's backends and devices, the CPU's instruction sets, the GPUs it can offload to),
+    the budgets, and the CORRAL_* settings in force that shape loading."""
+    state = request.app.state
+    fallbacks = state.scheduler.fallbacks
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, float) and value in (float("inf"), float("-inf")):
+            return -1  # keep_alive "forever", as Ollama's negative durations
+        return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
+
+    # getattr: fields Settings may or may not have in this version
+    names = (
+        "ram_budget",
+        "vram_budget",
+        "num_parallel",
+        "max_loaded_models",
+        "keep_alive",
+        "context_length",
+        "flash_attention",
+        "kv_cache_type",
+    )
+    in_force = {n: plain(getattr(state.settings, n)) for n in names if hasattr(state.settings, n)}
+    if getattr(state.inference, "default_num_ctx", None) is not None:
+        in_force["default_num_ctx"] = state.inference.default_num_ctx  # what context_length 0 (automatic) chose
+    return {
+        "hardware": state.hardware.to_json(),
+        "budgets": state.budgets_json,
+        "settings": in_force,
+        # corral: the safer runner configurations chosen after native crashes on this machine
+        # (daemon/scheduling/fallback.py)
+        "runner_fallbacks": fallbacks.remembered() if fallbacks is not None else [],
+    }

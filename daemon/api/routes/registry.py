@@ -1,0 +1,140 @@
+"""``POST /api/pull``, ``POST /api/push`` and corral's ``POST /api/prune``.
+
+Pulls and pushes stream Ollama's progress objects (see ``registry/pull.py`` and ``registry/push.py``). The
+daemon's table of downloads in flight lives on the app, so concurrent pulls of one blob share a download and a
+prune never touches a blob a pull is using.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from pydantic import StrictBool
+from starlette.concurrency import run_in_threadpool
+
+from daemon.api.bodies import read_model
+from daemon.api.observe import note
+from daemon.api.schemas import NamedRequest, Wire
+from daemon.api.streaming import progress_response
+from daemon.models.catalog import Catalog
+from daemon.settings import Settings
+from errors import InvalidRequest
+from registry.credentials import auth_files
+from registry.download import Downloads
+from registry.pull import Puller
+from registry.push import Pusher
+from registry.store import TEMP_PREFIX, PrunePlan, disk_bytes
+
+router = APIRouter()
+
+#: ``corral prune`` leaves blobs this young alone: an upload for a create may be about to use them.
+EXPLICIT_PRUNE_GRACE = 300.0
+
+#: ... and partial downloads written to this recently (a download that is starting right now).
+PARTIAL_PRUNE_GRACE = 60.0
+
+_downloads_lock = threading.Lock()
+
+
+class PullRequest(NamedRequest):
+    insecure: StrictBool = False
+    stream: StrictBool = True
+    # username and password are accepted and ignored, as by Ollama: credentials come from corral login
+
+
+class PushRequest(PullRequest):
+    pass
+
+
+class PruneRequest(Wire):
+    dry_run: StrictBool = False
+
+
+def downloads(request: Request) -> Downloads:
+    """The app's table of downloads in flight (made on first use)."""
+    state = request.app.state
+    with _downloads_lock:
+        if not hasattr(state, "downloads"):
+            state.downloads = Downloads(bandwidth=state.settings.pull_bandwidth)
+    return state.downloads
+
+
+def _auth_files(settings: Settings) -> list[Path]:
+    return auth_files(settings.registry_auth or None)
+
+
+@router.post("/api/pull")
+async def pull(request: Request) -> Response:
+    req = await read_model(request, PullRequest)
+    note(model=req.model_name)
+    if not req.model_name:
+        raise InvalidRequest("model is required")
+    app = request.app.state
+    catalog: Catalog = app.catalog
+    metrics = getattr(app, "metrics", None)
+    puller = Puller(
+        catalog.store,
+        downloads(request),
+        catalog.lock,
+        prune=not app.settings.noprune,
+        auth_files=_auth_files(app.settings),
+        on_bytes=metrics.pulled_bytes.inc if metrics is not None else None,
+    )
+    it = await run_in_threadpool(lambda: puller.run(req.model_name, insecure=req.insecure))
+    return await progress_response(it, stream=req.stream)
+
+
+@router.post("/api/push")
+async def push(request: Request) -> Response:
+    req = await read_model(request, PushRequest)
+    note(model=req.model_name)
+    if not req.model_name:
+        raise InvalidRequest("model is required")
+    app = request.app.state
+    pusher = Pusher(app.catalog.store, auth_files=_auth_files(app.settings))
+    it = await run_in_threadpool(lambda: pusher.run(req.model_name, insecure=req.insecure))
+    return await progress_response(it, stream=req.stream)
+
+
+def _kind(path: Path) -> str:
+    if path.name.startswith(TEMP_PREFIX):
+        return "temp"
+    return "partial" if "-partial" in path.name else "blob"
+
+
+def _describe(plan: PrunePlan, dry_run: bool) -> dict[str, Any]:
+    files = []
+    for path in (*plan.blobs, *plan.partials):
+        try:
+            size = disk_bytes(path.stat())
+        except FileNotFoundError:
+            continue
+        files.append({"file": path.name, "kind": _kind(path), "size": size})
+    out: dict[str, Any] = {"dry_run": dry_run, "files": files, "bytes_freed": plan.bytes_freed}
+    if plan.skipped_reason:
+        out["skipped_reason"] = plan.skipped_reason
+    return out
+
+
+@router.post("/api/prune")
+async def prune(request: Request) -> dict[str, Any]:
+    """Remove unreferenced blobs (older than 5 minutes) and partial downloads not in progress (untouched for a
+    minute)."""
+    req = await read_model(request, PruneRequest, allow_empty=True)
+    catalog: Catalog = request.app.state.catalog
+    table = downloads(request)
+
+    def run() -> dict[str, Any]:
+        with catalog.lock:
+            plan = catalog.store.plan_prune(
+                grace_seconds=EXPLICIT_PRUNE_GRACE, partial_grace_seconds=PARTIAL_PRUNE_GRACE, keep=table.busy()
+            )
+            out = _describe(plan, req.dry_run)
+            if not req.dry_run and not plan.skipped_reason:
+                out["bytes_freed"] = catalog.store.prune(plan)
+        return out
+
+    return await run_in_threadpool(run)

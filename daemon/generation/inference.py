@@ -1,0 +1,442 @@
+"""From an API request to a runner: resolve the model, merge and check options, build the load spec and the
+sampling parameters, and hold a scheduler lease while the runner works."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from daemon.chat.pipeline import ChatModel
+from daemon.models.catalog import Catalog
+from daemon.runners.base import LoadSpec, SampleParams
+from daemon.scheduling.scheduler import Lease, ModelRef, Scheduler
+from daemon.settings import Settings, SettingsError, parse_duration
+from errors import CorralError, InvalidRequest
+from modelfile.params import DEFAULT_OPTIONS, DEPRECATED_OPTIONS, OPTION_TYPES, check_value, validate_options
+from registry.gguf import GGUFInfo
+from registry.manifest import MEDIA_ADAPTER, MEDIA_MODEL, MEDIA_PROJECTOR
+from registry.names import ModelName
+from registry.store import StoredModel
+
+log = logging.getLogger(__name__)
+
+# A generic JSON grammar (GBNF) for format: "json": any JSON object.
+JSON_GBNF = r"""
+root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
+array  ::= "[" ws ( value ("," ws value)* )? "]" ws
+string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\bfnrt/] | "u" [0-9a-fA-F]{4}) )* "\"" ws
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+ws     ::= | " " | "\n" [ \t]{0,20}
+"""
+
+
+_second_cache: list[Any] = [-1, ""]
+
+
+MODEL_CACHE = 64  # model lookups remembered (Inference.lookup)
+
+
+def now_rfc3339() -> str:
+    """UTC with nanosecond precision, as Ollama's created_at (the per-second prefix is cached: hot path)."""
+    ns = time.time_ns()
+    sec, frac = divmod(ns, 1_000_000_000)
+    if _second_cache[0] != sec:
+        _second_cache[0] = sec
+        _second_cache[1] = datetime.fromtimestamp(sec, UTC).strftime("%Y-%m-%dT%H:%M:%S.")
+    return f"{_second_cache[1]}{frac:09d}Z"
+
+
+def keep_alive_value(raw: Any) -> float | None:
+    """A request's keep_alive in seconds (inf = forever), or None when absent."""
+    if raw is None:
+        return None
+    try:
+        return parse_duration(raw, "keep_alive")
+    except SettingsError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+@dataclass
+class ModelContext:
+    raw: str  # the name as the client gave it
+    name: ModelName
+    stored: StoredModel
+    model_path: Path
+    adapters: tuple[str, ...]
+    info: GGUFInfo
+    template: str | None  # the Go TEMPLATE layer
+    system: str | None
+    params: dict[str, Any]
+    messages: list[dict[str, str]]
+    capabilities: list[str]
+    details: dict[str, Any] = field(default_factory=dict)
+    chat: ChatModel = field(default_factory=ChatModel)  # template, renderer and parser: how it chats
+    projector_path: Path | None = None  # the vision projector (mmproj) blob, loaded with the model
+
+    @property
+    def projector_memory(self) -> int:
+        """The projector's bytes loaded (tensors and its compute buffer), 0 without one: counted with the model."""
+        if self.projector_path is None:
+            return 0
+        from daemon.scheduling.memory import projector_file_memory
+
+        return projector_file_memory(str(self.projector_path))
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.info.chat_template
+
+    @property
+    def ref(self) -> ModelRef:
+        # the key is the weights, not the name: names that resolve to the same model file and adapters (a copy, a
+        # Modelfile that only changes SYSTEM, TEMPLATE, PARAMETER or MESSAGE) share one runner, counted once. The
+        # projector is part of it: the same weights with another projector (or none) see images differently
+        parts = [self.model_path.name, *(Path(a).name for a in self.adapters)]
+        if self.projector_path is not None:
+            parts.append(f"mmproj:{self.projector_path.name}")
+        weights = "+".join(parts)
+        return ModelRef(
+            key=weights, name=self.name.short(), digest=self.stored.manifest.digest.hex, details=self.details
+        )
+
+
+class Inference:
+    def __init__(
+        self,
+        catalog: Catalog,
+        scheduler: Scheduler,
+        settings: Settings,
+        *,
+        vram_budget: int = 0,
+        physical_cores: int = 0,
+        ram_budget: int = 0,
+        default_num_ctx: int = 4096,
+        gpu_budgets: tuple[int, ...] = (),
+        shared_memory: bool = False,
+    ) -> None:
+        self.catalog = catalog
+        self.gpu_budgets = gpu_budgets  # VRAM budget per visible GPU, in llama.cpp's device order (hardware.Budgets)
+        self.scheduler = scheduler
+        self.settings = settings
+        self.vram_budget = vram_budget
+        self.ram_budget = ram_budget
+        self.shared_memory = shared_memory  # unified memory: what goes to the GPU comes out of the RAM budget too
+        self.physical_cores = physical_cores
+        self.default_num_ctx = default_num_ctx  # CORRAL_CONTEXT_LENGTH, or automatic by VRAM (see create_app)
+        self._estimates: dict[tuple[str, int, int, int, int, str, str], Any] = {}
+        # model() by the name as given, with what proves it current: the store's generation and the manifest's
+        # identity on disk (a manifest replaced or removed behind the daemon's back shows in its stat)
+        self._models: OrderedDict[str, tuple[int, tuple[int, int, int], ModelContext]] = OrderedDict()
+
+    # -- the model ---------------------------------------------------------------------------------------------
+    async def lookup(self, raw: str) -> ModelContext:
+        """:meth:`model` for a request: a name looked up before, whose manifest has not changed since, comes from
+        memory at the cost of one ``stat`` on the event loop; otherwise the store is read in a worker thread. Every
+        request to a model needs this before it can reach the runner, so a burst of requests (16 users at once)
+        reaches it within a few milliseconds instead of one worker-thread hop and a few file reads apart."""
+        store = self.catalog.store
+        hit = self._models.get(raw)
+        if hit is not None:
+            generation, identity, ctx = hit
+            if generation == store.generation and identity == store.manifest_stamp(ctx.stored.name):
+                self._models.move_to_end(raw)
+                return ctx
+            del self._models[raw]
+        from starlette.concurrency import run_in_threadpool
+
+        generation = store.generation
+        ctx = await run_in_threadpool(self.model, raw)
+        stamp = store.manifest_stamp(ctx.stored.name)
+        if stamp is not None:
+            self._models[raw] = (generation, stamp, ctx)
+            while len(self._models) > MODEL_CACHE:
+                self._models.popitem(last=False)
+        return ctx
+
+    def model(self, raw: str) -> ModelContext:
+        stored = self.catalog.get(raw)
+        manifest = stored.manifest
+        self.catalog.check_requires(manifest, raw)  # REQUIRES newer than this corral's Ollama version: a 400
+        layer = manifest.first(MEDIA_MODEL)
+        if layer is None:
+            raise InvalidRequest(f"model '{raw}' has no GGUF model layer and cannot be run")
+        info = self.catalog.gguf(layer.digest)
+        from daemon.scheduling.memory import layers_of
+
+        layers_of(info)  # the per-layer sums, once, here in the thread pool: load_spec then runs in O(1) per estimate
+        template = self.catalog.template_text(manifest)
+        projector = manifest.first(MEDIA_PROJECTOR)
+        mctx = ModelContext(
+            raw=raw,
+            name=stored.name,
+            stored=stored,
+            model_path=self.catalog.store.blob_path(layer.digest),
+            adapters=tuple(str(self.catalog.store.blob_path(a.digest)) for a in manifest.layers_of(MEDIA_ADAPTER)),
+            info=info,
+            template=template,
+            system=self.catalog.system_text(manifest),
+            params=self.catalog.params(manifest),
+            messages=self.catalog.messages(manifest),
+            capabilities=self.catalog.capabilities(manifest, info, template),
+            details=self.catalog.details(manifest),
+            chat=self.catalog.chat_model(manifest, template, info),
+            projector_path=None if projector is None else self.catalog.store.blob_path(projector.digest),
+        )
+        mctx.projector_memory  # noqa: B018 - read its header here, in the thread pool, not in load_spec
+        return mctx
+
+    def has_projector(self, ctx: ModelContext) -> bool:
+        return ctx.stored.manifest.first(MEDIA_PROJECTOR) is not None
+
+    # -- options -----------------------------------------------------------------------------------------------
+    def options(self, ctx: ModelContext, request_options: Any) -> dict[str, Any]:
+        """Built-in defaults < the model's PARAMETERs < the request's options (checked; unknown keys ignored).
+        ``num_ctx`` set by neither comes from the daemon's default (``CORRAL_CONTEXT_LENGTH`` or by VRAM), not
+        from the built-in table, as in Ollama."""
+        if request_options is None:
+            request_options = {}
+        if not isinstance(request_options, dict):
+            raise InvalidRequest(f"options must be an object, got {type(request_options).__name__}")
+        merged: dict[str, Any] = dict(DEFAULT_OPTIONS)
+        model_opts = validate_options(ctx.params, ignore_unknown=True)
+        merged.update(model_opts)
+        unknown = [
+            k for k in request_options if k not in OPTION_TYPES and k not in DEPRECATED_OPTIONS and k != "logit_bias"
+        ]
+        if unknown:
+            log.warning("invalid option provided options=%s", ",".join(map(str, unknown)))
+        request_opts = validate_options(request_options, ignore_unknown=True)
+        merged.update(request_opts)
+        if "num_ctx" not in model_opts and "num_ctx" not in request_opts:
+            merged["num_ctx"] = self.default_num_ctx
+        self._check_ranges(merged)
+        if request_options.get("logit_bias") is not None:  # OpenAI's, a corral extension in options too
+            from daemon.llama.sampling import parse_logit_bias
+
+            try:
+                merged["logit_bias"] = parse_logit_bias(request_options["logit_bias"])
+            except ValueError as exc:
+                raise InvalidRequest(f'option "logit_bias" {exc}') from None
+        return merged
+
+    @staticmethod
+    def _check_ranges(o: dict[str, Any]) -> None:
+        """Every merged value within its range (``modelfile.params.check_value``: finite numbers, repeat_penalty
+        above 0, num_thread within this machine's bound...), whichever layer it came from; a ParameterError (400)
+        names the option."""
+        for key, value in o.items():
+            check_value(key, value)
+
+    def load_spec(self, ctx: ModelContext, opts: dict[str, Any], *, embedding: bool = False) -> LoadSpec:
+        trained = ctx.info.context_length or opts["num_ctx"]
+        num_ctx = max(4, min(int(opts["num_ctx"]), int(trained)))
+        if self.has_projector(ctx):
+            num_ctx = max(num_ctx, 2048)
+        num_batch = min(int(opts["num_batch"]), num_ctx) if embedding else int(opts["num_batch"])
+        kv_type = self.settings.kv_cache_type
+        # a quantized KV cache needs flash attention (llama.cpp refuses a quantized V cache without it), so "auto"
+        # means on there, and /api/ps says so
+        flash_attn = self.settings.flash_attention
+        if kv_type != "f16" and flash_attn == "auto":
+            flash_attn = "on"
+        num_parallel = 1 if embedding else self.parallel_for(ctx, num_ctx, num_batch, kv_type)
+        num_gpu = int(opts["num_gpu"])
+        if num_gpu < 0:
+            num_gpu = self.choose_gpu_layers(ctx, num_ctx, num_batch, num_parallel, kv_type)
+        num_thread = int(opts["num_thread"]) or self.physical_cores
+        prompt_cache = (
+            0 if embedding else self.prompt_cache_for(ctx, num_ctx, num_batch, num_parallel, num_gpu, kv_type)
+        )
+        return LoadSpec(
+            model_path=str(ctx.model_path),
+            adapters=ctx.adapters,
+            num_ctx=num_ctx,
+            num_batch=num_batch,
+            num_gpu=num_gpu,
+            num_thread=num_thread,
+            use_mmap=opts.get("use_mmap"),
+            num_parallel=num_parallel,
+            embedding=embedding,
+            prompt_cache=prompt_cache,
+            main_gpu=(placement := self.gpu_split(ctx, opts, num_ctx, num_batch, num_parallel, num_gpu))[0],
+            tensor_split=placement[1],
+            flash_attn=flash_attn,
+            kv_cache_type=kv_type,
+            projector_path="" if embedding else _projector_of(ctx),
+        )
+
+    def parallel_for(self, ctx: ModelContext, num_ctx: int, num_batch: int, kv_type: str = "f16") -> int:
+        """``CORRAL_NUM_PARALLEL`` when set; else the most sequence slots (at most 4) whose KV cache, at this
+        num_ctx each, fits the memory budgets, counting what the GPU takes off the RAM."""
+        if self.settings.num_parallel > 0:
+            return self.settings.num_parallel
+        for parallel in (4, 3, 2):
+            layers = self.choose_gpu_layers(ctx, num_ctx, num_batch, parallel, kv_type)
+            est = self._estimate(ctx, num_ctx, num_batch, parallel, layers, kv_type)
+            ram = est.ram + (est.vram if self.shared_memory else 0)
+            if (self.ram_budget <= 0 or ram <= self.ram_budget) and est.vram <= max(self.vram_budget, 0):
+                return parallel
+        return 1
+
+    def prompt_cache_for(
+        self, ctx: ModelContext, num_ctx: int, num_batch: int, num_parallel: int, num_gpu: int, kv_type: str = "f16"
+    ) -> int:
+        """Host RAM for the sequences a runner saves when it reuses a slot: as much as the slots' KV cache, when
+        the model and that much more fit the RAM budget together (else none: the model itself comes first)."""
+        est = self._estimate(ctx, num_ctx, num_batch, num_parallel, num_gpu, kv_type)
+        want = est.kv_per_layer * len(est.weights_per_layer)
+        if self.ram_budget > 0 and est.ram + (est.vram if self.shared_memory else 0) + want > self.ram_budget:
+            return 0
+        return want
+
+    def _estimate(
+        self, ctx: ModelContext, num_ctx: int, num_batch: int, num_parallel: int, num_gpu: int, kv_type: str = "f16"
+    ) -> Any:
+        """``daemon.scheduling.memory.estimate``, remembered per model file (blobs never change) and shape:
+        ``load_spec`` runs on every request and would otherwise estimate the same model several times each time
+        (~0.25 ms each)."""
+        key = (str(ctx.model_path), num_ctx, num_batch, num_parallel, num_gpu, _projector_of(ctx), kv_type)
+        est = self._estimates.get(key)
+        if est is None:
+            from daemon.scheduling.memory import estimate
+
+            if len(self._estimates) >= 256:
+                self._estimates.clear()
+            est = self._estimates[key] = estimate(
+                ctx.info,
+                num_ctx=num_ctx,
+                num_parallel=num_parallel,
+                num_batch=num_batch,
+                n_gpu_layers=num_gpu,
+                kv_type=kv_type,
+                projector=_projector_memory(ctx),
+            )
+        return est
+
+    def choose_gpu_layers(
+        self, ctx: ModelContext, num_ctx: int, num_batch: int, num_parallel: int = 1, kv_type: str = "f16"
+    ) -> int:
+        if self.vram_budget <= 0:
+            return 0
+        from daemon.scheduling.memory import choose_gpu_layers
+
+        return choose_gpu_layers(
+            ctx.info,
+            num_ctx=num_ctx,
+            num_parallel=num_parallel,
+            num_batch=num_batch,
+            vram_budget=self.vram_budget,
+            kv_type=kv_type,
+            projector=_projector_memory(ctx),
+        )
+
+    def gpu_split(
+        self, ctx: ModelContext, opts: dict[str, Any], num_ctx: int, num_batch: int, num_parallel: int, num_gpu: int
+    ) -> tuple[int, tuple[float, ...]]:
+        """``main_gpu`` and ``tensor_split`` for this load over the visible GPUs (see ``gpu_placement``), from the
+        VRAM the offloaded layers need."""
+        if num_gpu == 0 or len(self.gpu_budgets) <= 1:
+            return self.gpu_placement(self.gpu_budgets, 0, opts.get("main_gpu"))  # nothing to split
+        est = self._estimate(ctx, num_ctx, num_batch, num_parallel, num_gpu, self.settings.kv_cache_type)
+        return self.gpu_placement(self.gpu_budgets, int(est.vram), opts.get("main_gpu"))
+
+    @staticmethod
+    def gpu_placement(
+        gpu_budgets: tuple[int, ...], vram_needed: int, main_gpu: Any = None
+    ) -> tuple[int, tuple[float, ...]]:
+        """Where a model's offloaded layers go. ``main_gpu`` (the option; GPU 0 when unset) is the GPU that holds
+        the model alone when its layers fit that GPU's budget (no traffic between GPUs, as Ollama places models);
+        a model too big for it is split over every GPU with a budget, in proportion to each one's free memory
+        less its reserve (``tensor_split``), with ``main_gpu`` still the GPU for the small tensors. One GPU or
+        none: llama.cpp's defaults (no split). A ``main_gpu`` beyond the visible GPUs falls back to GPU 0 with a
+        warning, so a Modelfile written on a bigger machine still runs."""
+        main = 0 if main_gpu is None else int(main_gpu)
+        if main < 0:
+            raise InvalidRequest(f'option "main_gpu" must not be negative, got {main}')
+        count = len(gpu_budgets)
+        if count and main >= count:
+            log.warning("main_gpu=%d but %d GPU(s) are visible; using GPU 0", main, count)
+            main = 0
+        if count <= 1 or vram_needed <= 0:
+            return (main if count else 0), ()
+        usable = [max(0, int(b)) for b in gpu_budgets]
+        total = sum(usable)
+        if vram_needed <= usable[main] or total <= 0:
+            return main, tuple(1.0 if i == main else 0.0 for i in range(count))
+        return main, tuple(round(b / total, 6) for b in usable)
+
+    @staticmethod
+    def sample_params(opts: dict[str, Any], fmt: Any = None) -> SampleParams:
+        grammar, schema = grammar_for(fmt)
+        stop = opts.get("stop") or []
+        if isinstance(stop, str):
+            stop = [stop]
+        num_predict = int(opts["num_predict"])
+        return SampleParams(
+            num_predict=num_predict,
+            temperature=float(opts["temperature"]),
+            top_k=int(opts["top_k"]),
+            top_p=float(opts["top_p"]),
+            min_p=float(opts["min_p"]),
+            typical_p=float(opts["typical_p"]),
+            repeat_penalty=float(opts["repeat_penalty"]),
+            repeat_last_n=int(opts["repeat_last_n"]),
+            presence_penalty=float(opts["presence_penalty"]),
+            frequency_penalty=float(opts["frequency_penalty"]),
+            seed=int(opts["seed"]),
+            stop=tuple(s for s in stop if s),
+            num_keep=int(opts["num_keep"]),
+            grammar=grammar,
+            json_schema=schema,
+            logit_bias=tuple(opts.get("logit_bias") or ()),
+        )
+
+    async def acquire(self, ctx: ModelContext, spec: LoadSpec, keep_alive: float | None) -> Lease:
+        return await self.scheduler.acquire(ctx.ref, spec, keep_alive)
+
+
+def _projector_of(ctx: ModelContext) -> str:
+    """The model's projector blob path, "" for none (contexts built without the field, as tests' fakes, have none)."""
+    path = getattr(ctx, "projector_path", None)
+    return "" if path is None else str(path)
+
+
+def _projector_memory(ctx: ModelContext) -> int:
+    from daemon.scheduling.memory import projector_file_memory
+
+    return projector_file_memory(_projector_of(ctx))
+
+
+def grammar_for(fmt: Any) -> tuple[str | None, str | None]:
+    """``format`` -> (GBNF grammar, JSON schema text); the runner turns a schema into a grammar."""
+    if fmt is None or fmt == "" or fmt == "null":
+        return None, None
+    if fmt == "json":
+        return JSON_GBNF, None
+    if isinstance(fmt, dict):
+        if not fmt:
+            return JSON_GBNF, None
+        return None, json.dumps(fmt)
+    if isinstance(fmt, str):
+        try:
+            parsed = json.loads(fmt)
+        except ValueError:
+            raise InvalidRequest(f'invalid format: "{fmt}"; use "json" or a JSON schema object') from None
+        return grammar_for(parsed)
+    raise InvalidRequest('invalid format: use "json" or a JSON schema object')
+
+
+def normalise(vec: list[float]) -> list[float]:
+    if any(math.isnan(x) or math.isinf(x) for x in vec):
+        raise CorralError("embedding contains NaN or Inf values")
+    norm = math.sqrt(sum(x * x for x in vec))
+    return [x / norm for x in vec] if norm > 0 else list(vec)

@@ -1,0 +1,692 @@
+"""The runner child process: owns one llama.cpp model. The only module in corral that imports llama_cpp (the
+batching engine it drives, ``engine.py``, is handed the module).
+
+Run as ``python -m daemon.llama.runner``. It speaks length-prefixed JSON frames (``protocol.py``) on its
+original stdout; everything else (llama.cpp's logs included) goes to stderr. A reader thread takes frames from
+stdin so a ``cancel`` reaches a generation between two tokens. EOF on stdin or a new parent pid (the daemon died,
+even by SIGKILL) ends the process at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from daemon.runners.protocol import encode, read_frame
+
+KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml_type values (GGML_TYPE_F16, _Q8_0, _Q4_0)
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
+FAULT_ENV = "CORRAL_TEST_FAULT"
+
+
+def _inject_fault(stage: str, spec: dict[str, Any]) -> None:
+    """Test-only fault injection (docs/runner-faults.md): ``CORRAL_TEST_FAULT=<stage>`` makes this runner die by
+    SIGSEGV at that stage (``warmup``, ``first-decode``) while llama.cpp's extra buffer types are on, as
+    llama.cpp's AMX kernels do on some Intel CPUs; ``<stage>-always`` whatever the configuration. Unset in
+    production: nothing happens."""
+    wanted = os.environ.get(FAULT_ENV, "")
+    if not wanted:
+        return
+    always = wanted.endswith("-always")
+    if wanted.removesuffix("-always") != stage or not (always or spec.get("extra_bufts", True)):
+        return
+    sys.stderr.write(f"corral test fault: SIGSEGV at {stage} ({FAULT_ENV}={wanted})\n")
+    sys.stderr.flush()
+    import signal
+
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+class _model_params_patch:
+    """While a high-level ``Llama`` is built, its default model params carry ``use_extra_bufts`` (Llama() has no
+    argument for it)."""
+
+    def __init__(self, lc: Any, extra_bufts: bool) -> None:
+        self.lc, self.extra_bufts = lc, extra_bufts
+        self.original: Any = None
+
+    def __enter__(self) -> None:
+        import llama_cpp.llama_cpp as low
+
+        self.original = low.llama_model_default_params
+        extra = self.extra_bufts
+
+        def patched() -> Any:
+            params = self.original()
+            params.use_extra_bufts = extra
+            return params
+
+        low.llama_model_default_params = patched
+
+    def __exit__(self, *exc: object) -> None:
+        import llama_cpp.llama_cpp as low
+
+        low.llama_model_default_params = self.original
+
+
+class RequestError(Exception):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Channel:
+    def __init__(self, out_fd: int) -> None:
+        self._out = os.fdopen(out_fd, "wb", buffering=0)
+        self._lock = threading.Lock()
+
+    def send(self, obj: dict[str, Any]) -> None:
+        self.send_many([obj])
+
+    def send_many(self, objs: list[dict[str, Any]]) -> None:
+        """Several messages (an engine step's tokens and ends) as one ``batch`` frame: one JSON encoding and one
+        write here, one read and one JSON decoding in the daemon, whatever the number of sequences."""
+        data = encode(objs[0] if len(objs) == 1 else {"type": "batch", "msgs": objs})
+        with self._lock:
+            self._out.write(data)
+
+
+class Runner:
+    def __init__(self, chan: Channel) -> None:
+        import llama_cpp
+
+        self.lc = llama_cpp
+        self.chan = chan
+        self.llm: Any = None  # a high-level Llama, for embedding runners only
+        self.model: Any = None
+        self.context: Any = None
+        self.engine: Any = None
+        self.projector: Any = None  # a vision.Projector when the model came with one (spec projector_path)
+        # libmtmd's context is not thread-safe: the request thread tokenizes images, the engine thread evaluates them
+        self._vision_lock = threading.Lock()
+        self.log_lines: list[str] = []
+        self.spec: dict[str, Any] = {}
+        self._embedded = False
+        self._log_cb = llama_cpp.llama_log_callback(self._on_log)
+        llama_cpp.llama_log_set(self._log_cb, ctypes.c_void_p(0))
+
+    def _on_log(self, level: int, text: bytes, _user: Any) -> None:
+        line = text.decode("utf-8", errors="replace")
+        if len(self.log_lines) < 5000:
+            self.log_lines.append(line.rstrip("\n"))
+        sys.stderr.write(line)
+
+    # -- load ----------------------------------------------------------------------------------------------------
+    def load(self, spec: dict[str, Any]) -> None:
+        import psutil
+
+        self.spec = spec
+        threads = int(spec.get("num_thread") or 0) or psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        n_parallel = max(1, int(spec.get("num_parallel") or 1))
+        n_ctx = int(spec["num_ctx"]) * n_parallel
+        n_batch = int(spec.get("num_batch") or 512)
+        if not os.path.isfile(spec["model_path"]):
+            raise RequestError(f"model file {spec['model_path']} does not exist", 500)
+        adapters = spec.get("adapters") or []
+        lc = self.lc
+        kv_type = KV_TYPES.get(str(spec.get("kv_cache_type") or "f16"), lc.GGML_TYPE_F16)
+        flash = FLASH_ATTN.get(str(spec.get("flash_attn") or "auto"), -1)
+        if spec.get("embedding"):
+            kwargs: dict[str, Any] = dict(
+                model_path=spec["model_path"],
+                n_ctx=n_ctx,
+                n_batch=n_batch,
+                n_gpu_layers=int(spec.get("num_gpu", 0)),
+                n_threads=threads,
+                n_threads_batch=threads,
+                embedding=True,
+                verbose=False,
+                seed=0,
+                main_gpu=int(spec.get("main_gpu") or 0),
+                type_k=kv_type,
+                type_v=kv_type,
+            )
+            if flash >= 0:
+                kwargs["flash_attn"] = bool(flash)
+            if spec.get("tensor_split"):
+                kwargs["tensor_split"] = [float(x) for x in spec["tensor_split"]]
+            if spec.get("use_mmap") is not None:
+                kwargs["use_mmap"] = bool(spec["use_mmap"])
+            if adapters:
+                kwargs["lora_path"] = adapters[0]
+            if spec.get("rerank"):  # a reranker: pooling rank, and a whole batch in one ubatch (no KV cache)
+                kwargs["pooling_type"] = lc.LLAMA_POOLING_TYPE_RANK
+                kwargs["n_ubatch"] = n_batch
+            with _model_params_patch(lc, bool(spec.get("extra_bufts", True))):
+                self.llm = lc.Llama(**kwargs)
+            self.model = self.llm._model
+            self.chan.send({"type": "stage", "stage": "warm-up"})
+            _inject_fault("warmup", spec)
+            if self._is_reranker():  # the same kernels as a request, see _warm_up
+                self._rank([self._rerank_tokens("warm up", "warm up")])
+            else:
+                self.llm.embed("warm up", normalize=False, truncate=True)
+            return
+        from llama_cpp import _internals
+
+        from daemon.llama.engine import FIRST_TOKEN_PAUSE, STREAM_INTERVAL, Engine
+
+        mparams = lc.llama_model_default_params()
+        self._model_params(mparams, spec)
+        if spec.get("use_mmap") is not None:
+            mparams.use_mmap = bool(spec["use_mmap"]) and not adapters
+        self.model = _internals.LlamaModel(path_model=spec["model_path"], params=mparams, verbose=False)
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = min(n_batch, 512)
+        cparams.n_seq_max = n_parallel
+        cparams.kv_unified = False  # a stream per slot: a sequence computes the same alone as in a batch
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        cparams.type_k = kv_type
+        cparams.type_v = kv_type
+        if flash >= 0 or kv_type != lc.GGML_TYPE_F16:
+            # a quantized V cache needs flash attention (llama.cpp refuses it otherwise); the daemon has already
+            # refused CORRAL_FLASH_ATTENTION=false with a quantized CORRAL_KV_CACHE_TYPE
+            cparams.flash_attn_type = 1 if flash != 0 else 0
+        self.context = _internals.LlamaContext(model=self.model, params=cparams, verbose=False)
+        for path in adapters:
+            adapter = lc.llama_adapter_lora_init(self.model.model, path.encode("utf-8"))
+            if not adapter:
+                raise RequestError(f"llama.cpp could not load the adapter {path}", 500)
+            lc.llama_set_adapters_lora(
+                self.context.ctx, (lc.llama_adapter_lora_p_ctypes * 1)(adapter), 1, (ctypes.c_float * 1)(1.0)
+            )
+        offloaded = self._fully_offloaded()
+        self.engine = Engine(
+            lc,
+            self.context.ctx,
+            self.model.vocab,
+            n_parallel=n_parallel,
+            n_ctx_slot=int(spec["num_ctx"]),
+            n_batch=n_batch,
+            emit=self.chan.send_many,
+            cache_bytes=int(spec.get("prompt_cache") or 0),
+            before_first_decode=lambda: _inject_fault("first-decode", spec),
+            first_token_pause=0.0 if offloaded else FIRST_TOKEN_PAUSE,
+            # llama.cpp computing with a thread on every core: each frame that wakes the daemon stalls a decode
+            stream_interval=STREAM_INTERVAL if not offloaded and threads >= _usable_cores() else 0.0,
+        )
+        # on the engine's thread, as every decode after them (Engine.call)
+        self.engine.call(lambda: self._warm_up(self.context.ctx, self.model))
+        if spec.get("projector_path"):
+            self.engine.call(lambda: self._load_projector(str(spec["projector_path"]), threads, flash))
+            self.engine.set_media(self._eval_media)
+
+    def _fully_offloaded(self) -> bool:
+        """Every layer on a GPU: llama.cpp's CPU threads then wait on the device instead of computing."""
+        lc = self.lc
+        n_layer = int(lc.llama_model_n_layer(self.model.model))
+        num_gpu = int(self.spec.get("num_gpu", 0))
+        return bool(lc.llama_supports_gpu_offload()) and (num_gpu < 0 or num_gpu >= n_layer)
+
+    def _load_projector(self, path: str, threads: int, flash: int) -> None:
+        """Load the vision projector for the loaded model. On the GPU only when the whole model is offloaded (as
+        Ollama: libmtmd puts the projector whole on one device, and a partly offloaded model has no VRAM to spare);
+        flash attention as the context has it. A projector that cannot load fails the load with libmtmd's reason."""
+        from daemon.llama.vision import Projector
+
+        if not os.path.isfile(path):
+            raise RequestError(f"projector file {path} does not exist", 500)
+        use_gpu = self._fully_offloaded()
+        try:
+            self.projector = Projector(
+                path,
+                self.model.model,
+                use_gpu=use_gpu,
+                n_threads=threads,
+                flash_attn=None if flash < 0 else bool(flash),
+                log_callback=self._log_cb,
+            )
+        except ValueError as exc:
+            # one path-free line in llama.cpp's "error loading model:" form, which the daemon may show the client
+            # (process.safe_load_reason); the full reason, path included, goes to the daemon log
+            import re
+
+            found = None
+            for line in reversed(self.log_lines[-40:]):
+                found = re.search(r"mismatch between text model \(n_embd = \d+\) and mmproj \(n_embd = \d+\)", line)
+                if found:
+                    break
+            reason = "vision projector: " + (found.group(0) if found else "not a projector this llama.cpp supports")
+            self._on_log(4, f"error loading model: {reason}\n".encode(), None)
+            raise RequestError(f"{exc} ({reason})", 500) from None
+        self.projector_gpu = use_gpu
+
+    def _eval_media(
+        self, media: Any, index: int, offset: int, n_past: int, seq_id: int, final: bool, limit: int
+    ) -> int:
+        """The engine's hook for an image segment (engine thread): evaluate it into ``seq_id`` at ``n_past`` from
+        its position ``offset``, at most ``limit`` positions; the positions evaluated. An image whose embeddings may
+        be decoded apart (causal, one position each: ``Projector.can_split``) is encoded once and decoded a slice
+        per call, so the engine runs the other sequences' steps between slices; others go whole through libmtmd's
+        helper. ``final``: the prompt ends with it (logits for its last position)."""
+        projector, ctx = self.projector, self.context.ctx
+        with self._vision_lock:
+            if offset == 0 and not projector.can_split(media, index):
+                n_batch = int(self.lc.llama_n_batch(ctx))
+                end = projector.eval_segment(
+                    media, index, ctx, n_past=n_past, seq_id=seq_id, n_batch=n_batch, logits_last=final
+                )
+                return int(end) - n_past
+            held = getattr(media, "encoded", None)  # (segment index, its embeddings) while it is being decoded
+            if held is None or held[0] != index:
+                held = media.encoded = (index, projector.encode(media, index))
+            embd = held[1]
+            k = max(1, min(limit, len(embd) - offset))
+            done = offset + k == len(embd)
+            projector.decode_embeddings(
+                ctx, embd[offset : offset + k], n_past=n_past, seq_id=seq_id, logits_last=final and done
+            )
+            if done:
+                media.encoded = None
+            return k
+
+    def close(self) -> None:
+        """Free in dependency order: the engine, the projector (it points at the model), the context, the model."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if self.projector is not None:
+            with self._vision_lock:
+                self.projector.close()
+            self.projector = None
+        for obj in (self.context, self.model):
+            if obj is not None and hasattr(obj, "close"):
+                obj.close()
+        self.context = self.model = None
+
+    def _model_params(self, mparams: Any, spec: dict[str, Any]) -> None:
+        lc = self.lc
+        mparams.n_gpu_layers = int(spec.get("num_gpu", 0))
+        mparams.main_gpu = int(spec.get("main_gpu") or 0)
+        mparams.use_extra_bufts = bool(spec.get("extra_bufts", True))
+        split = [float(x) for x in spec.get("tensor_split") or ()][: lc.LLAMA_MAX_DEVICES]
+        if split:
+            self._tensor_split = (ctypes.c_float * lc.LLAMA_MAX_DEVICES)(*split)  # kept alive with the runner
+            mparams.tensor_split = ctypes.cast(self._tensor_split, ctypes.POINTER(ctypes.c_float))
+
+    def _warm_up(self, ctx: Any, model: Any) -> None:
+        """One short prompt-sized decode and one single-token decode before the runner says it is loaded: a
+        kernel that faults on this CPU or GPU (llama.cpp's AMX path, a bad driver) kills the runner here, while
+        the daemon can still load it again with a safer configuration, and not in a user's request."""
+        lc = self.lc
+        self.chan.send({"type": "stage", "stage": "warm-up"})
+        _inject_fault("warmup", self.spec)
+        n_ctx = int(lc.llama_n_ctx(ctx))
+        n = max(1, min(16, int(lc.llama_n_batch(ctx)), n_ctx - 1))
+        bos = model.token_bos()
+        first = bos if bos >= 0 else 0
+        n_vocab = int(lc.llama_vocab_n_tokens(model.vocab))
+        tokens = [first] + [(first + 1 + i) % max(1, n_vocab) for i in range(n - 1)]
+        batch = lc.llama_batch_init(max(n, 1), 0, 1)
+        try:
+            for start, count in ((0, n), (n, 1)):
+                if start + count > n_ctx:
+                    break
+                batch.n_tokens = count
+                for j in range(count):
+                    batch.token[j] = tokens[(start + j) % n]
+                    batch.pos[j] = start + j
+                    batch.n_seq_id[j] = 1
+                    batch.seq_id[j][0] = 0
+                    batch.logits[j] = j == count - 1
+                rc = lc.llama_decode(ctx, batch)
+                if rc != 0:
+                    raise RequestError(f"the warm-up decode failed (llama_decode returned {rc})", 500)
+        finally:
+            lc.llama_batch_free(batch)
+            mem = lc.llama_get_memory(ctx)
+            if mem:
+                lc.llama_memory_clear(mem, True)
+
+    def info(self) -> dict[str, Any]:
+        m = self.model
+        n_ctx = self.llm.n_ctx() if self.llm is not None else self.context.n_ctx()
+        return {
+            "n_ctx": n_ctx,
+            "n_ctx_train": m.n_ctx_train(),
+            "n_vocab": m.n_vocab(),
+            "n_embd": m.n_embd(),
+            "n_gpu_layers": int(self.spec.get("num_gpu", 0)),
+            "extra_bufts": bool(self.spec.get("extra_bufts", True)),
+            "flash_attn": str(self.spec.get("flash_attn") or "auto"),
+            "kv_cache_type": str(self.spec.get("kv_cache_type") or "f16"),
+            "num_parallel": max(1, int(self.spec.get("num_parallel") or 1)),
+            "projector": self.projector is not None,
+            "projector_gpu": bool(getattr(self, "projector_gpu", False)),
+            "gpu_offload_supported": bool(self.lc.llama_supports_gpu_offload()),
+            "log_lines": self.log_lines,
+            "pid": os.getpid(),
+        }
+
+    def cancel(self, rid: int) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.cancel(rid)
+
+    def tokenize(self, text: str, add_special: bool) -> list[int]:
+        return list(self.model.tokenize(text.encode("utf-8"), add_bos=add_special, special=True))
+
+    # -- generate ------------------------------------------------------------------------------------------------
+    def generate(self, rid: int, req: dict[str, Any]) -> None:
+        """Hand the request to the batching engine; its tokens and ``done`` are sent from the engine thread."""
+        from daemon.llama.engine import EngineError
+
+        if self.llm is not None:
+            raise RequestError("this runner was loaded for embeddings only", 500)
+        context = list(req.get("context") or [])
+        if context:
+            from daemon.llama.engine import check_token_ids
+
+            n_vocab = int(self.model.n_vocab())
+            bad = check_token_ids(context, n_vocab)
+            if bad is not None:
+                raise RequestError(
+                    f"invalid context: token id {context[bad]!r} (context[{bad}]) is out of range: "
+                    f"this model's vocabulary has ids 0 to {n_vocab - 1}"
+                )
+        media = None
+        if req.get("images"):
+            media = self._media_prompt(req)
+            tokens = context + media.cache_key()  # image positions as negative keys (vision.MediaPrompt.cache_key)
+        else:
+            tokens = context + self.tokenize(req["prompt"], bool(req.get("add_special", True)))
+        if not tokens:
+            tokens = [self.model.token_bos()]
+        try:
+            self.engine.submit(
+                rid,
+                tokens,
+                req.get("params") or {},
+                shift=bool(req.get("shift", True)),
+                truncate=bool(req.get("truncate", True)),
+                media=media,
+            )
+        except EngineError as exc:
+            if media is not None:
+                media.close()
+            raise RequestError(str(exc), exc.status) from None
+
+    def _media_prompt(self, req: dict[str, Any]) -> Any:
+        """The request's prompt and images (base64, one per media marker) tokenized by the projector; any problem
+        with them is the request's 400, and the runner goes on serving."""
+        import base64
+        import binascii
+
+        images = req["images"]
+        if self.projector is None:
+            raise RequestError(
+                "this model cannot take images: it was loaded without a vision projector (create it with its "
+                "projector GGUF, or remove the images)"
+            )
+        if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
+            raise RequestError("images must be a list of base64 strings")
+        try:
+            data = [base64.b64decode(img, validate=True) for img in images]
+        except (binascii.Error, ValueError):
+            raise RequestError("an image is not valid base64") from None
+        with self._vision_lock:
+            try:
+                return self.projector.tokenize(req["prompt"], data, add_special=bool(req.get("add_special", True)))
+            except ValueError as exc:
+                raise RequestError(str(exc)) from None
+
+    # -- embeddings ------------------------------------------------------------------------------------------------
+    def embed(self, inputs: list[str], truncate: bool) -> dict[str, Any]:
+        llm = self.llm
+        if self._is_reranker():  # its pooled output is one score, not a vector
+            raise RequestError("this model is a reranker and does not support embeddings; use /api/rerank")
+        if not self._embedded:
+            self._embedded = True
+            _inject_fault("first-decode", self.spec)
+        n_ctx = llm.n_ctx()
+        counts = []
+        for text in inputs:
+            n = len(self.tokenize(text, True))
+            if n > n_ctx and not truncate:
+                raise RequestError("the input length exceeds the context length")
+            counts.append(min(n, n_ctx))
+        vectors = []
+        for text in inputs:
+            out = llm.embed(text, normalize=False, truncate=True)
+            if out and isinstance(out[0], list):  # per-token embeddings (no pooling): mean-pool them
+                dim = len(out[0])
+                out = [sum(row[i] for row in out) / len(out) for i in range(dim)]
+            vectors.append([float(x) for x in out])
+        return {"vectors": vectors, "prompt_eval_count": sum(counts)}
+
+    # -- rerank (issue 18) -----------------------------------------------------------------------------------------
+    def _is_reranker(self) -> bool:
+        return self.llm is not None and int(self.llm.pooling_type()) == int(self.lc.LLAMA_POOLING_TYPE_RANK)
+
+    def _rerank_tokens(self, query: str, document: str, limit: int | None = None) -> list[int]:
+        """A query/document pair as llama-server's ``format_prompt_rerank`` builds it: the model's ``rerank``
+        template with {query} and {document} filled in, else BOS query EOS SEP document EOS (each special token
+        only where the vocabulary adds it; SEP stands for a missing EOS). ``limit``: the document (or, with a
+        template, the end of the whole text) is cut so the pair has at most that many tokens."""
+        lc, model = self.lc, self.model
+        template = lc.llama_model_chat_template(model.model, b"rerank")
+        if template:
+            text = template.decode("utf-8", errors="replace").replace("{query}", query).replace("{document}", document)
+            tokens = list(model.tokenize(text.encode("utf-8"), add_bos=False, special=True))
+            return tokens if limit is None else tokens[:limit]
+        vocab = model.vocab
+        q = list(model.tokenize(query.encode("utf-8"), add_bos=False, special=False))
+        d = list(model.tokenize(document.encode("utf-8"), add_bos=False, special=False))
+        eos = int(lc.llama_vocab_eos(vocab))
+        if eos < 0:
+            eos = int(lc.llama_vocab_sep(vocab))
+        add_eos = bool(lc.llama_vocab_get_add_eos(vocab))
+        head = [int(lc.llama_vocab_bos(vocab))] if lc.llama_vocab_get_add_bos(vocab) else []
+        head += (
+            q
+            + ([eos] if add_eos else [])
+            + ([int(lc.llama_vocab_sep(vocab))] if lc.llama_vocab_get_add_sep(vocab) else [])
+        )
+        tail = [eos] if add_eos else []
+        if limit is not None and len(head) + len(d) + len(tail) > limit:
+            keep = limit - len(head) - len(tail)
+            if keep < 0:
+                return (head + d + tail)[:limit]
+            d = d[:keep]
+        return head + d + tail
+
+    def _rank(self, pairs: list[list[int]]) -> list[float]:
+        """The rank score of each token sequence: as many sequences per ``llama_decode`` as fit n_batch tokens and
+        the context's sequence slots, each its own sequence id; the score is element 0 of its pooled output."""
+        lc, llm = self.lc, self.llm
+        n_batch = int(llm.n_batch)
+        n_seq_max = max(1, int(llm.context_params.n_seq_max))
+        scores: list[float] = []
+        group: list[list[int]] = []
+
+        def flush() -> None:
+            if not group:
+                return
+            llm._ctx.kv_cache_clear()
+            llm._batch.reset()
+            for i, tokens in enumerate(group):
+                llm._batch.add_sequence(tokens, i, True)
+            llm._ctx.decode(llm._batch)
+            for i in range(len(group)):
+                ptr = lc.llama_get_embeddings_seq(llm._ctx.ctx, i)
+                if not ptr:
+                    raise RequestError("llama.cpp returned no rank score", 500)
+                scores.append(float(ptr[0]))
+            llm._batch.reset()
+            llm._ctx.kv_cache_clear()
+            group.clear()
+
+        used = 0
+        for tokens in pairs:
+            if used + len(tokens) > n_batch or len(group) >= n_seq_max:
+                flush()
+                used = 0
+            group.append(tokens)
+            used += len(tokens)
+        flush()
+        return scores
+
+    def rerank(self, query: str, documents: list[str], truncate: bool) -> dict[str, Any]:
+        if not self._is_reranker():
+            raise RequestError("this model does not support reranking")
+        if not self._embedded:
+            self._embedded = True
+            _inject_fault("first-decode", self.spec)
+        limit = min(int(self.llm.n_batch), int(self.llm.n_ctx()))
+        pairs: list[list[int]] = []
+        for doc in documents:
+            tokens = self._rerank_tokens(query, doc)
+            if len(tokens) > limit:
+                if not truncate:
+                    raise RequestError(
+                        f"the query and document {len(pairs)} are {len(tokens)} tokens, more than "
+                        f"the {limit} this model was loaded for (num_ctx / num_batch)"
+                    )
+                tokens = self._rerank_tokens(query, doc, limit)
+            if not tokens:
+                raise RequestError("an empty query and document")
+            pairs.append(tokens)
+        return {"scores": self._rank(pairs), "prompt_eval_count": sum(len(t) for t in pairs)}
+
+    def pieces(self, tokens: list[int]) -> list[Any]:
+        """Each token's text (special tokens included): a string, or its bytes as a list of ints where they are not
+        valid UTF-8 alone (a part of a character), as llama-server's ``with_pieces``."""
+        lc, vocab = self.lc, self.model.vocab
+        out: list[Any] = []
+        buf = ctypes.create_string_buffer(64)
+        for token in tokens:
+            n = int(lc.llama_token_to_piece(vocab, lc.llama_token(int(token)), buf, len(buf), 0, True))
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = int(lc.llama_token_to_piece(vocab, lc.llama_token(int(token)), buf, len(buf), 0, True))
+            raw = buf.raw[: max(n, 0)]
+            try:
+                out.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                out.append(list(raw))
+        return out
+
+    # -- dispatch --------------------------------------------------------------------------------------------------
+    def handle(self, msg: dict[str, Any]) -> None:
+        rid = int(msg.get("id", 0))
+        op = msg.get("op")
+        try:
+            if op == "generate":
+                self.generate(rid, msg["req"])
+            elif op == "embed":
+                self.chan.send(
+                    {"id": rid, "type": "result", **self.embed(list(msg["inputs"]), bool(msg.get("truncate", True)))}
+                )
+            elif op == "slots":
+                slots = self.engine.slots_info() if self.engine is not None else []
+                self.chan.send({"id": rid, "type": "result", "slots": slots})
+            elif op == "tokenize":
+                self.chan.send(
+                    {
+                        "id": rid,
+                        "type": "result",
+                        "tokens": self.tokenize(msg["text"], bool(msg.get("add_special", True))),
+                    }
+                )
+            elif op == "rerank":
+                self.chan.send(
+                    {
+                        "id": rid,
+                        "type": "result",
+                        **self.rerank(str(msg["query"]), list(msg["documents"]), bool(msg.get("truncate", True))),
+                    }
+                )
+            elif op == "pieces":
+                self.chan.send({"id": rid, "type": "result", "pieces": self.pieces(list(msg["tokens"]))})
+            elif op == "detokenize":
+                text = self.model.detokenize(list(msg["tokens"])).decode("utf-8", errors="replace")
+                self.chan.send({"id": rid, "type": "result", "text": text})
+            else:
+                raise RequestError(f"unknown operation {op!r}", 500)
+        except RequestError as exc:
+            self.chan.send({"id": rid, "type": "error", "message": str(exc), "status": exc.status})
+        except Exception as exc:  # noqa: BLE001 - report and keep serving
+            traceback.print_exc()
+            self.chan.send({"id": rid, "type": "error", "message": f"llama.cpp error: {exc}", "status": 500})
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS has no affinity: every core
+        return os.cpu_count() or 1
+
+
+def _watch_parent(ppid: int) -> None:
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != ppid:
+            os._exit(0)
+
+
+def main() -> None:
+    proto_fd = os.dup(1)
+    os.dup2(2, 1)  # anything printed (by us or llama.cpp) goes to stderr, never into the protocol
+    sys.stdout = os.fdopen(1, "w", buffering=1)  # fd 1 now points at stderr
+    chan = Channel(proto_fd)
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
+    runner_ref: list[Runner] = []
+
+    def read() -> None:
+        stdin = sys.stdin.buffer
+        while True:
+            try:
+                msg = read_frame(stdin)
+            except Exception:  # noqa: BLE001
+                msg = None
+            if msg is None or msg.get("op") == "shutdown":
+                os._exit(0)
+            if msg.get("op") == "cancel":
+                if runner_ref:
+                    runner_ref[0].cancel(int(msg.get("id", 0)))
+                continue
+            inbox.put(msg)
+
+    threading.Thread(target=read, daemon=True).start()
+    first = inbox.get()
+    if not first or first.get("op") != "load":
+        chan.send({"type": "load_error", "message": "the first message must be load"})
+        os._exit(1)
+    try:
+        runner = Runner(chan)
+        runner_ref.append(runner)
+        chan.send({"type": "stage", "stage": "load"})
+        runner.load(first["spec"])
+        chan.send({"type": "loaded", "info": runner.info()})
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        lines = runner_ref[0].log_lines[-20:] if runner_ref else []
+        chan.send({"type": "load_error", "message": f"{exc}", "log_lines": lines})
+        os._exit(1)
+    try:
+        while True:
+            msg = inbox.get()
+            if msg is None:
+                break
+            runner.handle(msg)
+    finally:
+        with contextlib.suppress(Exception):
+            runner.close()
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
