@@ -222,8 +222,25 @@ def rendered(parser: Parser, model: ChatModel, prompt: str) -> None:
         parser.prefill()
 
 
+def call_schema(tools: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A JSON schema for one call of one of ``tools`` (Ollama function tools): ``{"name": ..., "arguments": {...}}``,
+    the grammar a dialect sets to force a tool call (tool_choice required or naming a tool)."""
+    options = []
+    for t in tools:
+        fn = t["function"]
+        params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {"type": "object"}
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+            }
+        )
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
 def is_call_schema(fmt: Any) -> bool:
-    """Whether ``fmt`` is the grammar the dialects build to force a tool call (daemon.api.routes.openai.call_schema)."""
+    """Whether ``fmt`` is the grammar :func:`call_schema` builds."""
     if not isinstance(fmt, Mapping):
         return False
     any_of = fmt.get("anyOf")
@@ -236,6 +253,14 @@ def is_call_schema(fmt: Any) -> bool:
         and "const" in o["properties"]["name"]
         for o in options
     )
+
+
+def answer_after_thinking(model: ChatModel) -> str:
+    """What a prompt continued after the model's finished thinking needs before the answer (thinking, then an answer
+    under a format): the family parser's ``answer_after_thinking``, "" for most families (their templates close
+    the thinking themselves)."""
+    builtin = model.builtin_parser()
+    return str(getattr(builtin, "answer_after_thinking", "")) if builtin is not None else ""
 
 
 def call_id() -> str:

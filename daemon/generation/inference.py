@@ -220,7 +220,7 @@ class Inference:
             merged["num_ctx"] = self.default_num_ctx
         self._check_ranges(merged)
         if request_options.get("logit_bias") is not None:  # OpenAI's, a corral extension in options too
-            from daemon.llama.sampling import parse_logit_bias
+            from daemon.runners.base import parse_logit_bias
 
             try:
                 merged["logit_bias"] = parse_logit_bias(request_options["logit_bias"])

@@ -48,7 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from daemon.llama.sampling import SeqSampler, bias_arrays, logprobs, parse_logit_bias, sample_rows
+from daemon.llama.sampling import SeqSampler, bias_arrays, logprobs, sample_rows
+from daemon.runners.base import parse_logit_bias
 
 PROMPT_TOO_LONG = (
     "the prompt is longer than the context length currently available to the model; shorten the prompt, adjust "

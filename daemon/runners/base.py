@@ -6,6 +6,7 @@ tests use fakes. Nothing here imports llama_cpp.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -68,6 +69,47 @@ class LoadSpec:
     extra_bufts: bool = True  # llama.cpp's extra CPU buffer types (weight repacking, AMX); off is the safe fallback
     rerank: bool = False  # with embedding: pooling type rank (a reranker's score per query/document pair)
     projector_path: str = ""  # the vision projector (mmproj) GGUF loaded with the model, or "" for none
+
+
+MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
+BIAS_LIMIT = 100.0  # biases lie in [-100, 100], as OpenAI's; -100 bans the token outright
+
+
+def parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """A ``logit_bias`` checked: OpenAI's object ``{"token id": bias}`` (ids as decimal strings) or pairs
+    ``[[id, bias], ...]``; ids integers >= 0, biases finite numbers in [-100, 100], at most ``MAX_LOGIT_BIAS``
+    entries. Pairs sorted by id (a repeated id keeps its last bias). ValueError says what is wrong (the caller
+    names the field); the upper bound of the ids, the model's vocabulary, is checked by ``bias_arrays``."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = []
+        for item in value:
+            if not isinstance(item, (list, tuple)) or len(item) != 2:
+                raise ValueError("must be an object of token ids and biases, or an array of [id, bias] pairs")
+            items.append((item[0], item[1]))
+    else:
+        raise ValueError("must be an object mapping token ids (as strings) to biases between -100 and 100")
+    if len(items) > MAX_LOGIT_BIAS:
+        raise ValueError(f"has {len(items)} entries; at most {MAX_LOGIT_BIAS} are accepted")
+    out: dict[int, float] = {}
+    for key, bias in items:
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit() and key.strip().isascii():
+            token = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool):
+            token = key
+        else:
+            raise ValueError(f"keys must be token ids (integers, as strings), got {key!r}")
+        if token < 0:
+            raise ValueError(f"token id {token} is negative")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise ValueError(f"bias for token {token} must be a number between -100 and 100, got {bias!r}")
+        if not -BIAS_LIMIT <= bias <= BIAS_LIMIT:
+            raise ValueError(f"bias for token {token} must be between -100 and 100, got {bias!r}")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 @dataclass(frozen=True)

@@ -149,7 +149,8 @@ def test_top_candidates_are_the_exact_top_k() -> None:
 
 # -- logit_bias ---------------------------------------------------------------------------------------------------
 def biased(pairs: dict[int, float], vocab: int = 1000, **kw: float) -> SeqSampler:
-    from daemon.llama.sampling import bias_arrays, parse_logit_bias
+    from daemon.llama.sampling import bias_arrays
+    from daemon.runners.base import parse_logit_bias
 
     s = SeqSampler(repeat_penalty=1.0, **kw)  # type: ignore[arg-type]
     s.bias = bias_arrays(parse_logit_bias({str(k): v for k, v in pairs.items()}), vocab)
@@ -222,14 +223,15 @@ def test_logit_bias_leaves_unbiased_rows_on_the_vectorised_path(monkeypatch: pyt
     ],
 )
 def test_parse_logit_bias_refuses(value: object, words: str) -> None:
-    from daemon.llama.sampling import parse_logit_bias
+    from daemon.runners.base import parse_logit_bias
 
     with pytest.raises(ValueError, match=words):
         parse_logit_bias(value)
 
 
 def test_parse_logit_bias_accepts_both_forms_and_checks_the_vocabulary() -> None:
-    from daemon.llama.sampling import bias_arrays, parse_logit_bias
+    from daemon.llama.sampling import bias_arrays
+    from daemon.runners.base import parse_logit_bias
 
     assert parse_logit_bias({"9": -100, "2": 1.5, " 4": 0}) == ((2, 1.5), (4, 0.0), (9, -100.0))
     assert parse_logit_bias([[9, -100], [2, 1.5], [4, 0]]) == ((2, 1.5), (4, 0.0), (9, -100.0))

@@ -44,8 +44,8 @@ from daemon.api.compat import (
 )
 from daemon.api.observe import note
 from daemon.api.routes.generate import build_messages, inference, message_dict, render_chat, run_chat
-from daemon.api.routes.openai import call_schema
 from daemon.api.schemas import ChatRequestBody
+from daemon.chat.pipeline import call_schema
 from daemon.chat.types import Content, Event, Finished, Thinking, Tool, ToolCall, ToolCalls
 
 router = APIRouter()

@@ -541,8 +541,8 @@ async def run_chat(
         except BaseException:
             lease2.release()
             raise
-        if ctx.chat.parser_name == "harmony" and thought:
-            text2 += "<|end|><|start|>assistant<|channel|>final<|message|>"  # past the thinking, into the answer
+        if thought:
+            text2 += pipeline.answer_after_thinking(ctx.chat)  # past the thinking, into the answer
         text2, ordered2 = media.media_prompt(text2, images)
         greq2 = GenerateRequest(
             prompt=text2,

@@ -43,8 +43,9 @@ from daemon.api.observe import note
 from daemon.api.routes.embed import run_embed
 from daemon.api.routes.generate import inference, run_chat, run_generate
 from daemon.api.schemas import ChatRequestBody, EmbedRequestBody, GenerateRequestBody
+from daemon.chat import pipeline
 from daemon.chat.types import Content, Event, Finished, Thinking, ToolCall, ToolCalls
-from daemon.llama.sampling import parse_logit_bias
+from daemon.runners.base import parse_logit_bias
 from errors import CorralError, InvalidRequest
 
 router = APIRouter()
@@ -284,23 +285,7 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, Any]:
             raise BadParam("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
     elif choice not in (None, "auto"):
         raise BadParam("tool_choice", "'tool_choice' must be none, auto, required or a function")
-    return tools, (call_schema(forced) if forced else None)
-
-
-def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """A JSON schema for one call of one of ``tools``: ``{"name": ..., "arguments": {...}}``."""
-    options = []
-    for t in tools:
-        fn = t["function"]
-        params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {"type": "object"}
-        options.append(
-            {
-                "type": "object",
-                "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                "required": ["name", "arguments"],
-            }
-        )
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    return tools, (pipeline.call_schema(forced) if forced else None)
 
 
 # -- response translation -------------------------------------------------------------------------------------

@@ -57,8 +57,9 @@ from daemon.api.compat import (
 )
 from daemon.api.observe import note
 from daemon.api.routes.generate import inference, run_chat
-from daemon.api.routes.openai import call_schema, think_of
+from daemon.api.routes.openai import think_of
 from daemon.api.schemas import ChatRequestBody
+from daemon.chat.pipeline import call_schema
 from daemon.chat.types import Content, Event, Finished, Thinking, ToolCall, ToolCalls
 
 router = APIRouter()

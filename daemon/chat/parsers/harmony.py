@@ -111,6 +111,8 @@ class FunctionNames:
 class HarmonyParser(StreamParser):
     """Splits gpt-oss output into thinking, content and tool calls."""
 
+    #: after the thinking (analysis channel), into the answer: what thinking-then-format appends to the prompt
+    answer_after_thinking = "<|end|><|start|>assistant<|channel|>final<|message|>"
     has_tools = True
     has_thinking = True
 

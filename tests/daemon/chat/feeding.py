@@ -32,7 +32,7 @@ def feed(
         content += got.content
         thinking += got.thinking
         for c in got.calls:
-            assert c.id == "" and c.index == 0 and isinstance(c.arguments, dict)
+            assert c.id == "" and c.index is None and isinstance(c.arguments, dict)
             calls.append((c.name, c.arguments))
     return content, thinking, calls
 

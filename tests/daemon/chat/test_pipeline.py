@@ -113,8 +113,7 @@ def test_a_failing_parser_loses_nothing() -> None:
 
 
 def test_forced_call_schema_is_read_as_bare_json() -> None:
-    from daemon.api.routes.openai import call_schema
-
+    call_schema = pipeline.call_schema
     assert pipeline.is_call_schema(call_schema([WEATHER])) and pipeline.is_call_schema(call_schema([WEATHER, WEATHER]))
     assert not pipeline.is_call_schema({"type": "object"}) and not pipeline.is_call_schema("json")
     parser, _, _ = pipeline.output_parser(
