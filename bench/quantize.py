@@ -5,7 +5,7 @@ Usage: .venv/bin/python bench/quantize.py [--runs 3] [--layers 4] [--write docs/
 
 The source is a random-weight F32 llama GGUF written by tests/models.py's ``write_tiny_gguf`` (n_embd 768, n_ff
 2048, vocabulary 8000; ``--layers`` blocks; about 150 MB with 4). For each type, taking turns, it runs the worker
-exactly as the daemon does (``python -m daemon.runners.quantize IN OUT TYPE``) and records its wall time (process
+exactly as the daemon does (``python -m daemon.llama.quantize IN OUT TYPE``) and records its wall time (process
 start, llama_cpp import and quantization), the quantization alone (as the worker reports it), its peak RSS (the
 kernel's high-water mark VmHWM, which the worker reports; also sampled with psutil every 10 ms) and the output
 size. Then one ``POST /api/create`` with ``quantize`` through a daemon per type: the whole create (worker, GGUF
@@ -128,7 +128,7 @@ def main() -> None:
         "",
         f"Source: a random-weight F32 llama GGUF of {src_size / MB:.0f} MB written by tests/models.py "
         f"`write_tiny_gguf` (n_embd 768, n_ff 2048, {args.layers} blocks, vocabulary 8000: "
-        f"{src_size / 4 / 1e6:.0f}M parameters). The worker (`python -m daemon.runners.quantize`, llama.cpp's "
+        f"{src_size / 4 / 1e6:.0f}M parameters). The worker (`python -m daemon.llama.quantize`, llama.cpp's "
         f"`llama_model_quantize`, nthread 0 = all {cores} cores, CPU only) runs alone; medians of {args.runs} runs "
         "per type, types taking turns. Worker wall time includes the process start and the llama_cpp import; "
         "peak RSS is the worker's high-water mark (VmHWM, which the worker reads as it ends; the peak of psutil "

@@ -48,6 +48,8 @@ from typing import Any, Protocol
 
 import psutil
 
+from daemon.exits import signal_name
+
 log = logging.getLogger(__name__)
 
 GiB = 1 << 30
@@ -276,13 +278,7 @@ def run_probe(
             data = None
     tail = " ".join((r.stderr or "").strip().splitlines()[-3:])[-300:]
     if r.returncode < 0:
-        import signal
-
-        try:
-            sig = signal.Signals(-r.returncode).name
-        except ValueError:
-            sig = str(-r.returncode)
-        return None, f"the llama.cpp probe crashed ({sig})" + (f": {tail}" if tail else "")
+        return None, f"the llama.cpp probe crashed ({signal_name(-r.returncode)})" + (f": {tail}" if tail else "")
     if isinstance(data, dict) and data.get("error"):
         return None, f"the llama.cpp probe failed: {data['error']}"
     if r.returncode != 0 or not isinstance(data, dict) or not isinstance(data.get("devices"), list):

@@ -20,12 +20,12 @@ import logging
 import math
 import os
 import re
-import signal
 import sys
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
+from daemon.exits import describe_exit
 from daemon.runners.base import (
     Done,
     Embedding,
@@ -150,17 +150,6 @@ def safe_load_reason(lines: list[str]) -> str | None:
     return None
 
 
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "it stopped"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
 class ProcessRunner:
     def __init__(
         self,
@@ -256,14 +245,14 @@ class ProcessRunner:
             sig = -code if code is not None and code < 0 else None
             # what the runner said (it may hold paths) and its stderr go to the daemon log only
             self._log_stderr(
-                f"could not load {self.spec.model_path} ({_describe_exit(code)}): "
+                f"could not load {self.spec.model_path} ({describe_exit(code)}): "
                 f"{msg.get('message') or 'the runner exited'}",
                 list(msg.get("log_lines") or []),
             )
             if sig is not None:
                 stage = "warm-up" if self._stage == "warm-up" else "load"
                 raise LoadFailed(
-                    f"llama runner process has terminated: {_describe_exit(code)} during {stage}",
+                    f"llama runner process has terminated: {describe_exit(code)} during {stage}",
                     signal=sig,
                     stage=stage,
                 )
@@ -448,9 +437,9 @@ class ProcessRunner:
         """The error for requests that find the runner gone: how it ended, never its stderr (native traces, paths),
         which goes to the daemon log."""
         code = self._proc.returncode if self._proc else None
-        self._log_stderr(f"stopped unexpectedly ({_describe_exit(code)})")
+        self._log_stderr(f"stopped unexpectedly ({describe_exit(code)})")
         return RunnerCrashed(
-            f"the model runner stopped unexpectedly ({_describe_exit(code)}); the model will be loaded again on the "
+            f"the model runner stopped unexpectedly ({describe_exit(code)}); the model will be loaded again on the "
             "next request",
             signal=self.exit_signal,
             early=not self._decoded,
@@ -502,12 +491,12 @@ class ProcessRunner:
                 await asyncio.wait_for(self._proc.wait(), 5)
             if self._loaded is not None and not self._loaded.done():
                 self._loaded.set_result(
-                    {"type": "load_error", "message": f"the runner exited ({_describe_exit(self._proc.returncode)})"}
+                    {"type": "load_error", "message": f"the runner exited ({describe_exit(self._proc.returncode)})"}
                 )
             for q in self._queues.values():
                 q.put_nowait(_CRASH)
             if self._proc.returncode not in (0, None):
-                self._log.warning("runner exited pid=%s %s", self._proc.pid, _describe_exit(self._proc.returncode))
+                self._log.warning("runner exited pid=%s %s", self._proc.pid, describe_exit(self._proc.returncode))
 
     async def _read_stderr(self) -> None:
         assert self._proc is not None and self._proc.stderr is not None

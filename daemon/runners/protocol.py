@@ -27,3 +27,7 @@ def read_frame(f: BinaryIO) -> dict[str, Any] | None:
     if len(data) < n:
         return None
     return json.loads(data)
+
+# Ollama's accepted names (fs/ggml ParseFileType; upper-cased first) -> llama.cpp's LLAMA_FTYPE: the TYPE argument of
+# the quantize worker (daemon/llama/quantize.py), checked by the daemon (daemon/runners/quantize.py)
+QUANT_TYPES: dict[str, int] = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K_S": 14, "Q4_K_M": 15, "Q4_K": 15, "BF16": 32}

@@ -24,12 +24,12 @@ import hashlib
 import json
 import logging
 import platform
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from daemon.exits import signal_name
 from daemon.runners.base import LoadSpec, RunnerError
 
 log = logging.getLogger(__name__)
@@ -39,13 +39,6 @@ MAX_BACKOFF = 300.0
 LOOP_CRASHES = 3  # crashes of a model's runner after its first decode within LOOP_WINDOW seconds: a crash loop
 LOOP_WINDOW = 120.0
 MAX_REMEMBERED = 1000
-
-
-def signal_name(sig: int) -> str:
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return f"signal {sig}"
 
 
 def fault_class(sig: int | None) -> str:

@@ -18,9 +18,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from daemon.exits import signal_name
 from daemon.runners.base import LoadFailed, LoadSpec, MemoryUse, Runner, RunnerCrashed, RunnerError
 from daemon.scheduling.eviction import Budget, Loaded, decide
-from daemon.scheduling.fallback import Fallbacks, signal_name
+from daemon.scheduling.fallback import Fallbacks
 from errors import CorralError
 
 log = logging.getLogger(__name__)

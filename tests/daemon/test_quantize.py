@@ -169,7 +169,7 @@ def test_quantized_source_and_unknown_type_are_400(daemon: Daemon, f32_model: Pa
 def _worker(d: Daemon) -> psutil.Process | None:
     for p in psutil.Process(d.proc.pid).children(recursive=True):
         try:
-            if "daemon.runners.quantize" in " ".join(p.cmdline()):
+            if "daemon.llama.quantize" in " ".join(p.cmdline()):
                 return p
         except psutil.NoSuchProcess:
             continue
