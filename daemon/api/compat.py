@@ -19,7 +19,7 @@ from typing import Any, TypeVar, cast
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from daemon.api.bodies import BodyTooLarge, read_body
+from daemon.api.bodies import read_body
 from daemon.api.errors import error_headers, status_for
 from daemon.api.streaming import LiveStream
 from errors import CorralError, InvalidRequest, ModelNotFound
@@ -138,7 +138,7 @@ def anthropic_error(exc: BaseException) -> JSONResponse:
     (Claude Code's "model not found"), a prompt longer than the context starts ``prompt is too long`` (Claude
     Code's compaction, which reads the sizes from ``N tokens > M maximum``), an overfull body is 413
     ``request_too_large``."""
-    status = status_for(exc)
+    status = status_for(exc, shape="anthropic")
     message = str(exc)
     if isinstance(exc, ModelNotFound) and exc.name:
         message = f"model: {exc.name} (not found here: `corral list` shows the models, `corral pull <name>` gets one)"
@@ -146,8 +146,6 @@ def anthropic_error(exc: BaseException) -> JSONResponse:
         sizes = _PROMPT_SIZES.search(message)
         said = f"{sizes[1]} tokens > {sizes[2]} maximum: " if sizes else ""
         message = f"prompt is too long: {said}{message}"
-    elif isinstance(exc, BodyTooLarge):
-        status = 413
     kind = {
         400: "invalid_request_error",
         401: "authentication_error",

@@ -17,6 +17,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from daemon import logs
+from daemon.api.bodies import BodyTooLarge
 from daemon.api.observe import endpoint_of
 from errors import (
     CorralError,
@@ -24,23 +25,15 @@ from errors import (
     InvalidRequest,
     NotFound,
     RegistryError,
+    RequestCanceled,
     StoreError,
     StoreLocked,
 )
 
 log = logging.getLogger(__name__)
 
-
-class RequestCanceled(CorralError):
-    def __init__(self) -> None:
-        super().__init__("request canceled")
-
-
-class NotSupported(InvalidRequest):
-    """A request asks for something corral does not do (yet), with what to do instead."""
-
-
-# Most specific first; the first isinstance match wins.
+# Most specific first; the first isinstance match wins. A type whose class body sets ``status`` (the runners' and
+# the scheduler's errors, see errors/__init__.py) has it from there and does not reach the table.
 STATUS_TABLE: list[tuple[type[BaseException], int]] = [
     (RequestCanceled, 499),
     (InvalidRequest, 400),
@@ -52,15 +45,38 @@ STATUS_TABLE: list[tuple[type[BaseException], int]] = [
     (CorralError, 500),
 ]
 
+#: Where an API's own error shape answers a type with another status than Ollama's routes do, before anything else
+#: decides: Anthropic's API refuses an overfull body with 413 ``request_too_large`` (Ollama's and OpenAI's: 400).
+SHAPE_STATUS: dict[str, list[tuple[type[BaseException], int]]] = {
+    "anthropic": [(BodyTooLarge, 413)],
+}
 
-def status_for(exc: BaseException) -> int:
-    """The error's own ``status`` (its type's, or the one it was constructed with), else the table's."""
-    if isinstance(exc, CorralError) and exc.status is not None:
-        return exc.status
-    for kind, code in STATUS_TABLE:
-        if isinstance(exc, kind):
+
+def status_of(kind: type[BaseException], *, shape: str = "ollama") -> int:
+    """The HTTP status of an error type in an API's ``shape``: the shape's own, else the type's ``status``, else
+    the table's."""
+    for cls, code in SHAPE_STATUS.get(shape, ()):
+        if issubclass(kind, cls):
+            return code
+    own = getattr(kind, "status", None) if issubclass(kind, CorralError) else None
+    if isinstance(own, int):
+        return own
+    for cls, code in STATUS_TABLE:
+        if issubclass(kind, cls):
             return code
     return 500
+
+
+def status_for(exc: BaseException, *, shape: str = "ollama") -> int:
+    """The HTTP status of an error: the one it was constructed with (an error that came over the wire with its
+    status), else its type's (:func:`status_of`). A shape's own status for the type wins over both."""
+    if isinstance(exc, CorralError) and exc.status is not None and not _shaped(type(exc), shape):
+        return exc.status
+    return status_of(type(exc), shape=shape)
+
+
+def _shaped(kind: type[BaseException], shape: str) -> bool:
+    return any(issubclass(kind, cls) for cls, _ in SHAPE_STATUS.get(shape, ()))
 
 
 def error_response(exc: BaseException) -> JSONResponse:

@@ -18,11 +18,10 @@ from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from daemon.api.errors import NotSupported
 from daemon.api.schemas import CreateRequest
 from daemon.models.catalog import Catalog, check_requires, normalise_requires
 from daemon.runners.quantize import QUANTIZABLE_SOURCES, SOURCE_ERROR, QuantizeFailed, parse_quant_type, run_worker
-from errors import InvalidDigest, InvalidGGUF, InvalidRequest, ModelNotFound
+from errors import InvalidDigest, InvalidGGUF, InvalidRequest, ModelNotFound, NotSupported
 from modelfile.params import validate_options
 from registry.digest import Digest
 from registry.gguf import FILE_TYPES, GGUFInfo, format_parameter_count, read_gguf_file

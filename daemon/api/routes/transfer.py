@@ -33,11 +33,19 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from daemon.api.bodies import read_model
-from daemon.api.errors import RequestCanceled, error_response
+from daemon.api.errors import error_response
 from daemon.api.schemas import NamedRequest
 from daemon.api.streaming import NDJSON
 from daemon.models.catalog import Catalog
-from errors import CorralError, DigestMismatch, InsufficientSpace, InvalidGGUF, InvalidRequest, StoreError
+from errors import (
+    CorralError,
+    DigestMismatch,
+    InsufficientSpace,
+    InvalidGGUF,
+    InvalidRequest,
+    RequestCanceled,
+    StoreError,
+)
 from registry import oci
 from registry.digest import Digest
 from registry.manifest import MAX_MANIFEST_BYTES, MEDIA_ADAPTER, MEDIA_MODEL, Manifest
