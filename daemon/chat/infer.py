@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from daemon.templates.gotemplate import TemplateError
+from daemon.templates.prompt import parse_template
 
 # Node shapes (daemon/templates/gotemplate.py): ("text", s), ("action", pos, pipe),
 # ("if"|"with"|"range", pos, pipe, body,
@@ -19,11 +20,8 @@ _CONTROL = ("if", "with", "range")
 
 
 def _root(source: str) -> list[Node] | None:
-    """The template's top-level nodes, or None when it does not parse."""
-    from daemon.templates.prompt import (
-        parse_template,  # late: daemon.templates.prompt is heavy and imports much of the daemon
-    )
-
+    """The template's top-level nodes, or None when it does not parse (parsed through the prompt builder's cache,
+    with Ollama's ``{{ .Response }}`` appended where it would be)."""
     try:
         return parse_template(source).root
     except (TemplateError, RecursionError, ValueError):

@@ -56,10 +56,7 @@ def number_images(messages: Sequence[Message]) -> tuple[list[Message], dict[int,
             images[len(images)] = base64.b64encode(raw).decode()
     if not images:
         return list(messages), images
-    tagged = prompts.tag_images([m.wire() for m in messages])
-    return [
-        dataclasses.replace(m, content=t["content"], images=()) for m, t in zip(messages, tagged, strict=True)
-    ], images
+    return [dataclasses.replace(m, images=()) for m in prompts.tag_images(messages)], images
 
 
 def media_prompt(prompt: str, images: Mapping[int, str]) -> tuple[str, tuple[str, ...]]:

@@ -14,7 +14,6 @@ import secrets
 import string
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from daemon.chat import infer, renderers
 from daemon.chat.parsers import parser_for
@@ -24,6 +23,8 @@ from daemon.chat.schema import check_arguments
 from daemon.chat.types import (
     Content,
     Event,
+    JSONObject,
+    JSONValue,
     Message,
     Parsed,
     Thinking,
@@ -131,11 +132,14 @@ def tool_tag(template: str | None, chat_template: str | None) -> str:
     return "{"
 
 
-def normalise_think(think: Any) -> ThinkValue:
-    """A request's ``think``: "true"/"false" strings as booleans, levels as they are."""
+def normalise_think(think: object) -> ThinkValue:
+    """A request's ``think``: "true"/"false" strings as booleans, levels as they are (anything else, which the
+    request bodies' types do not let through, as its truth)."""
     if think in ("true", "false"):
         return think == "true"
-    return think
+    if think is None or isinstance(think, bool | str):
+        return think
+    return bool(think)
 
 
 def render(
@@ -145,15 +149,7 @@ def render(
     think: ThinkValue,
 ) -> str:
     """The prompt for a chat: the model's RENDERER when it names one corral has, else its template."""
-    return _render(model, [m.wire() for m in messages], [t.spec for t in tools] if tools else None, think)
-
-
-def _render(
-    model: ChatModel,
-    messages: Sequence[Mapping[str, Any]],
-    tools: Sequence[Mapping[str, Any]] | None,
-    think: ThinkValue,
-) -> str:
+    tools = tools or None
     if model.renderer:
         renderer = renderers.renderer_for(model.renderer)
         if renderer is not None:
@@ -194,24 +190,19 @@ def output_parser(
     the tags inferred from the template (when ``think`` is on), tool calls after the tag the template uses (when
     tools were given). ``raw`` prompts get none of that. ``forced_call``: a grammar makes the answer one bare JSON
     call (tool_choice required or naming a tool), which the generic parser reads whatever the family's format is."""
-    specs = [t.spec for t in tools] if tools else None
-    last_wire = last.wire() if last is not None else None
+    given = list(tools) if tools else None
     builtin = None if raw or forced_call else model.builtin_parser()
     if builtin is not None:
-        shown = builtin.init(specs, last_wire, think)
-        return (
-            builtin,
-            builtin.has_thinking and think is not False,
-            [Tool.of(t) for t in shown or ()] if tools else None,
-        )
+        shown = builtin.init(given, last, think)
+        return builtin, builtin.has_thinking and think is not False, list(shown or ()) if tools else None
     opening, closing = model.think_tags
     thinks = not raw and think_enabled(think) and bool(opening)
     generic = GenericParser(
         (opening, closing) if thinks else None,
         ("{" if forced_call else tool_tag(model.template, model.chat_template)) if tools and not raw else None,
     )
-    generic.init(specs, last_wire, think)
-    return generic, thinks, list(tools) if tools else None
+    generic.init(given, last, think)
+    return generic, thinks, given
 
 
 def rendered(parser: Parser, model: ChatModel, prompt: str) -> None:
@@ -222,13 +213,17 @@ def rendered(parser: Parser, model: ChatModel, prompt: str) -> None:
         parser.prefill()
 
 
-def call_schema(tools: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """A JSON schema for one call of one of ``tools`` (Ollama function tools): ``{"name": ..., "arguments": {...}}``,
-    the grammar a dialect sets to force a tool call (tool_choice required or naming a tool)."""
-    options = []
+def call_schema(tools: Sequence[Tool | Mapping[str, JSONValue]]) -> JSONObject:
+    """A JSON schema for one call of one of ``tools`` (Ollama function tools, typed or as the request declared
+    them): ``{"name": ..., "arguments": {...}}``, the grammar a dialect sets to force a tool call (tool_choice
+    required or naming a tool)."""
+    options: list[JSONValue] = []
     for t in tools:
-        fn = t["function"]
-        params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {"type": "object"}
+        fn = (t if isinstance(t, Tool) else Tool.of(t)).function
+        if fn is None:
+            raise KeyError("function")  # as indexing the declaration did: dialects pass function tools only
+        given = fn.get("parameters")
+        params: JSONObject = given if isinstance(given, dict) else {"type": "object"}
         options.append(
             {
                 "type": "object",
@@ -236,15 +231,17 @@ def call_schema(tools: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 "required": ["name", "arguments"],
             }
         )
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    if len(options) == 1 and isinstance(options[0], dict):
+        return options[0]
+    return {"anyOf": options}
 
 
-def is_call_schema(fmt: Any) -> bool:
+def is_call_schema(fmt: object) -> bool:
     """Whether ``fmt`` is the grammar :func:`call_schema` builds."""
     if not isinstance(fmt, Mapping):
         return False
     any_of = fmt.get("anyOf")
-    options: list[Any] = any_of if isinstance(any_of, list) else [fmt]
+    options: list[object] = any_of if isinstance(any_of, list) else [fmt]
     return all(
         isinstance(o, Mapping)
         and isinstance(o.get("properties"), Mapping)
@@ -260,7 +257,7 @@ def answer_after_thinking(model: ChatModel) -> str:
     under a format): the family parser's ``answer_after_thinking``, "" for most families (their templates close
     the thinking themselves)."""
     builtin = model.builtin_parser()
-    return str(getattr(builtin, "answer_after_thinking", "")) if builtin is not None else ""
+    return builtin.answer_after_thinking if builtin is not None else ""
 
 
 def call_id() -> str:
@@ -274,13 +271,13 @@ class EventStream:
 
     def __init__(self, parser: Parser, tools: Sequence[Tool] | None) -> None:
         self.parser = parser
-        self.schemas: dict[str, Mapping[str, Any] | None] = {}
+        self.schemas: dict[str, JSONObject | None] = {}
         for t in tools or ():
             if t.name:
                 self.schemas[t.name] = t.parameters
         self.calls = 0
 
-    def add(self, text: str, logprobs: Iterable[dict[str, Any]] = (), *, done: bool = False) -> list[Event]:
+    def add(self, text: str, logprobs: Iterable[JSONObject] = (), *, done: bool = False) -> list[Event]:
         try:
             parsed = self.parser.add(text, done)
         except Exception as exc:  # a parser bug must not lose the answer
@@ -288,7 +285,7 @@ class EventStream:
             parsed = Parsed(content=text)
         return self._events(parsed, tuple(logprobs))
 
-    def _events(self, parsed: Parsed, logprobs: tuple[dict[str, Any], ...]) -> list[Event]:
+    def _events(self, parsed: Parsed, logprobs: tuple[JSONObject, ...]) -> list[Event]:
         out: list[Event] = []
         if parsed.thinking:
             out.append(Thinking(parsed.thinking))
@@ -318,7 +315,7 @@ class EventStream:
         return checked, ""
 
 
-def check_think(capabilities: Sequence[str], raw_name: str, think: Any) -> None:
+def check_think(capabilities: Sequence[str], raw_name: str, think: object) -> None:
     """Ollama's checks of ``think``: a known value, and a model that can think when it is on."""
     if think in (None, False, "false"):
         return

@@ -10,6 +10,8 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from daemon.chat.types import JSONObject, Tool
+
 _MAX_DEPTH = 64
 
 
@@ -209,7 +211,7 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def check_arguments(arguments: dict[str, Any], schema: Mapping[str, Any] | None) -> tuple[dict[str, Any], str | None]:
+def check_arguments(arguments: JSONObject, schema: JSONObject | None) -> tuple[JSONObject, str | None]:
     """Validate a call's ``arguments`` against its tool's ``parameters`` schema. Returns (the arguments, coerced
     where a slip was obvious, None), or (the original arguments, a message naming the bad field)."""
     if not isinstance(schema, Mapping) or not schema:
@@ -226,21 +228,22 @@ def check_arguments(arguments: dict[str, Any], schema: Mapping[str, Any] | None)
         return arguments, None
     if not isinstance(checked, dict):
         return arguments, "arguments: expected object"
-    return checked, None
+    out: JSONObject = checked
+    return out, None
 
 
-def declared_function(tools: Iterable[Any] | None, name: str) -> Mapping[str, Any] | None:
+def declared_function(tools: Iterable[Tool] | None, name: str) -> JSONObject | None:
     """The ``function`` object of the request's tool called ``name`` (Ollama/OpenAI shape), or None when no such
     tool was declared."""
     for tool in tools or ():
-        fn = tool.get("function") if isinstance(tool, Mapping) else None
-        if isinstance(fn, Mapping) and fn.get("name") == name:
+        fn = tool.function
+        if fn is not None and fn.get("name") == name:
             return fn
     return None
 
 
-def declared_properties(function: Mapping[str, Any] | None) -> Mapping[str, Any]:
+def declared_properties(function: JSONObject | None) -> JSONObject:
     """The parameter schemas of a declared function, by argument name (empty when it declares none)."""
     params = (function or {}).get("parameters")
-    props = params.get("properties") if isinstance(params, Mapping) else None
-    return props if isinstance(props, Mapping) else {}
+    props = params.get("properties") if isinstance(params, dict) else None
+    return props if isinstance(props, dict) else {}

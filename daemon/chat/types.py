@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias
+from typing import Literal, TypeAlias
 
 #: A JSON value as json.loads gives it (tool arguments, tool schemas).
 JSONValue: TypeAlias = "str | int | float | bool | None | list[JSONValue] | dict[str, JSONValue]"
@@ -30,14 +30,14 @@ class ToolCall:
     pipeline (a parser leaves them empty)."""
 
     name: str
-    arguments: dict[str, Any]
+    arguments: JSONObject
     id: str = ""
     index: int | None = None  # None: not given (a call in a request's message may lack it)
 
-    def ollama(self) -> dict[str, Any]:
+    def ollama(self) -> JSONObject:
         """Ollama's wire shape: ``{"id", "function": {"index", "name", "arguments"}}``."""
         index = self.index if self.index is not None else 0
-        out: dict[str, Any] = {"function": {"index": index, "name": self.name, "arguments": self.arguments}}
+        out: JSONObject = {"function": {"index": index, "name": self.name, "arguments": self.arguments}}
         if self.id:
             out = {"id": self.id, **out}
         return out
@@ -53,17 +53,23 @@ class Tool:
     spec: JSONObject
 
     @classmethod
-    def of(cls, spec: Mapping[str, Any]) -> Tool:
+    def of(cls, spec: Mapping[str, JSONValue]) -> Tool:
+        """A tool from its declaration (Ollama/OpenAI ``{"function": {"name", ...}}``, or a bare ``{"name", ...}``)."""
         fn = spec.get("function")
-        name = fn.get("name") if isinstance(fn, Mapping) else spec.get("name")
+        name = fn.get("name") if isinstance(fn, dict) else spec.get("name")
         return cls(name=name if isinstance(name, str) else "", spec=dict(spec))
 
     @property
-    def parameters(self) -> Mapping[str, Any] | None:
-        """The JSON schema of the arguments, when the declaration has one."""
+    def function(self) -> JSONObject | None:
+        """The declaration's ``function`` object (name, description, parameters), when it has one."""
         fn = self.spec.get("function")
-        params = (fn if isinstance(fn, Mapping) else self.spec).get("parameters")
-        return params if isinstance(params, Mapping) else None
+        return fn if isinstance(fn, dict) else None
+
+    @property
+    def parameters(self) -> JSONObject | None:
+        """The JSON schema of the arguments, when the declaration has one."""
+        params = (self.function or self.spec).get("parameters")
+        return params if isinstance(params, dict) else None
 
 
 @dataclass(frozen=True)
@@ -79,14 +85,48 @@ class Message:
     tool_name: str = ""
     tool_call_id: str = ""
 
-    def wire(self) -> dict[str, Any]:
-        """Ollama's wire shape, as templates see a message (fields left out when empty; a call's ``id`` is not
-        part of it, as in Ollama's ``api.ToolCall`` that templates range over)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.content}
+    @classmethod
+    def of(cls, data: Mapping[str, JSONValue]) -> Message:
+        """A message from Ollama's wire shape (the inverse of :meth:`wire`; a call's ``id`` is kept). Fields of the
+        wrong type count as absent; ``role`` is lowercased."""
+
+        def string(value: JSONValue | None) -> str:
+            return value if isinstance(value, str) else ""
+
+        calls = []
+        raw_calls = data.get("tool_calls")
+        for raw in raw_calls if isinstance(raw_calls, list) else ():
+            fn = raw.get("function") if isinstance(raw, dict) else None
+            if not isinstance(raw, dict) or not isinstance(fn, dict):
+                continue
+            arguments, index = fn.get("arguments"), fn.get("index")
+            calls.append(
+                ToolCall(
+                    name=string(fn.get("name")),
+                    arguments=arguments if isinstance(arguments, dict) else {},
+                    id=string(raw.get("id")),
+                    index=index if isinstance(index, int) and not isinstance(index, bool) else None,
+                )
+            )
+        images = data.get("images")
+        return cls(
+            role=string(data.get("role")).lower(),
+            content=string(data.get("content")),
+            thinking=string(data.get("thinking")),
+            images=tuple(i for i in images if isinstance(i, str)) if isinstance(images, list) else (),
+            tool_calls=tuple(calls),
+            tool_name=string(data.get("tool_name")),
+            tool_call_id=string(data.get("tool_call_id")),
+        )
+
+    def wire(self) -> JSONObject:
+        """Ollama's wire shape (fields left out when empty; a call's ``id`` is not part of it, as in Ollama's
+        ``api.ToolCall`` that templates range over)."""
+        out: JSONObject = {"role": self.role, "content": self.content}
         if self.thinking:
             out["thinking"] = self.thinking
         if self.images:
-            out["images"] = list(self.images)
+            out["images"] = list[JSONValue](self.images)
         if self.tool_calls:
             out["tool_calls"] = [
                 {
@@ -122,7 +162,7 @@ class Content:
     """Answer text, with the logprobs of the tokens it came from (Ollama's shape) when asked for."""
 
     text: str
-    logprobs: tuple[dict[str, Any], ...] = ()
+    logprobs: tuple[JSONObject, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ BOMBS = {
 
 CHILD = r"""
 import json, sys
+from daemon.chat.types import Message
 from daemon.templates.prompt import TemplateError, render_jinja
 
 def status(key):
@@ -56,7 +57,7 @@ def status(key):
                 return int(line.split()[1]) * 1024
     return 0
 
-HI = [{"role": "user", "content": "hi"}]
+HI = [Message(role="user", content="hi")]
 render_jinja("{{ messages[0].content | join(',') }}", HI)  # jinja imported, the environment built
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # the peak, reset to the resident size now
@@ -95,11 +96,12 @@ def test_iterables_still_join_and_print_as_jinja_does() -> None:
     plain jinja2 renders them."""
     import jinja2.sandbox
 
+    from daemon.chat.types import Message
     from daemon.templates.prompt import render_jinja
 
     plain = jinja2.sandbox.ImmutableSandboxedEnvironment()
     plain.filters["tojson"] = lambda x: json.dumps(x, ensure_ascii=False)  # as Hugging Face's (and corral's)
-    msgs = [{"role": "user", "content": "a\x01'\"\\b"}]
+    wire = {"role": "user", "content": "a\x01'\"\\b"}
     for template in [
         "{{ range(5) | join(', ') }}",
         "{{ range(3) | reverse | join }}",
@@ -111,5 +113,5 @@ def test_iterables_still_join_and_print_as_jinja_does() -> None:
         "{{ ('%r' % messages[0].content) }}{{ '{!r}'.format(messages[0].content) }}",
         "{{ messages[0].content | tojson }}{{ [messages[0].content] ~ '!' }}",
     ]:
-        want = plain.from_string(template).render(messages=msgs)
-        assert render_jinja(template, msgs, add_generation_prompt=False) == want, template
+        want = plain.from_string(template).render(messages=[wire])
+        assert render_jinja(template, [Message.of(wire)], add_generation_prompt=False) == want, template

@@ -1,25 +1,47 @@
-"""Prompt building (daemon/templates/prompt.py): Ollama library templates, legacy templates, tools, Jinja, fallbacks."""
+"""Prompt building (daemon/templates/prompt.py): Ollama library templates, legacy templates, tools, Jinja, fallbacks.
+
+The chats below are written in Ollama's wire shape, as Ollama's own template tests write them; the wrappers turn them
+into the chat core's typed values (``Message.of``, ``Tool.of``) on the way in."""
 
 from __future__ import annotations
 
 import glob
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from daemon.templates.prompt import (
-    DEFAULT_TEMPLATE,
-    TemplateError,
-    collate,
-    parse_template,
-    render_generate,
-    render_jinja,
-    render_messages,
-    tag_images,
-)
+from daemon.chat.types import Message, Tool
+from daemon.templates import gotemplate, prompt
+from daemon.templates.prompt import DEFAULT_TEMPLATE, TemplateError, collate, parse_template, tag_images
+
+Wire = dict[str, Any]
+
+
+def typed(messages: Iterable[Wire]) -> list[Message]:
+    return [Message.of(m) for m in messages]
+
+
+def render_messages(
+    go: str | None, jinja_template: str | None, messages: Iterable[Wire], *, tools: list[Wire] | None = None, **kw: Any
+) -> str:
+    tools_typed = [Tool.of(t) for t in tools] if tools is not None else None
+    return prompt.render_messages(go, jinja_template, typed(messages), tools=tools_typed, **kw)
+
+
+def render_jinja(template: str, messages: Iterable[Wire], *, tools: list[Wire] | None = None, **kw: Any) -> str:
+    tools_typed = [Tool.of(t) for t in tools] if tools is not None else None
+    return prompt.render_jinja(template, typed(messages), tools=tools_typed, **kw)
+
+
+def render_generate(
+    go: str | None, jinja_template: str | None, *, messages_history: Iterable[Wire] = (), **kw: Any
+) -> str:
+    return prompt.render_generate(go, jinja_template, messages_history=typed(messages_history), **kw)
+
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 USER1 = {"role": "user", "content": "Hello, how are you?"}
@@ -261,16 +283,20 @@ def test_collate_merges_consecutive_roles_except_tools() -> None:
         {"role": "tool", "content": "sunny", "tool_name": "get_weather"},
         {"role": "tool", "content": "72F", "tool_name": "get_temperature"},
     ]
-    system, out = collate(msgs)
+    given = typed(msgs)
+    system, out = collate(given)
     assert system == "You are helpful\n\nBe brief"
-    assert [(m["role"], m["content"]) for m in out] == [
+    assert [(m.role, m.content) for m in out] == [
         ("system", "You are helpful\n\nBe brief"),
         ("user", "Hello\n\nHow are you?"),
         ("tool", "sunny"),
         ("tool", "72F"),
     ]
-    assert out[3]["tool_name"] == "get_temperature"
-    assert msgs[2]["content"] == "Hello"  # input untouched
+    assert out[3].tool_name == "get_temperature"
+    assert given[2].content == "Hello"  # input untouched (the values are frozen)
+    # roles reach Go templates lowercased, and a merged message keeps the first one's other fields
+    _, shouted = collate([Message(role="USER", content="a", thinking="t"), Message(role="user", content="b")])
+    assert shouted == [Message(role="user", content="a\n\nb", thinking="t")]
     tmpl = (
         "{{ .System }}|{{ range .Messages }}{{ .Role }}:{{ .Content }}{{ with .ToolName }}({{ . }}){{ end }};{{ end }}"
     )
@@ -474,7 +500,7 @@ def test_thinking_and_tool_call_ids_reach_messages() -> None:
         "role": "assistant",
         "content": "4",
         "thinking": "2+2",
-        "tool_calls": [{"id": "call_abc", "function": {"index": 3, "name": "f", "arguments": '{"x": 1}'}}],
+        "tool_calls": [{"id": "call_abc", "function": {"index": 3, "name": "f", "arguments": {"x": 1}}}],
     }
     tmpl = (
         "{{ range .Messages }}<think>{{ .Thinking }}</think>{{ range .ToolCalls }}{{ .ID }}#{{ .Function.Index }}"
@@ -489,9 +515,9 @@ def test_images_become_tags() -> None:
         {"role": "assistant", "content": "a cat"},
         {"role": "user", "content": "compare [img] with this", "images": ["BBBB", "CCCC"]},
     ]
-    tagged = tag_images(msgs)
-    assert [m["content"] for m in tagged] == ["[img-0]what is this?", "a cat", "[img-2]compare [img-1] with this"]
-    assert msgs[0]["content"] == "what is this?"
+    tagged = tag_images(typed(msgs))
+    assert [m.content for m in tagged] == ["[img-0]what is this?", "a cat", "[img-2]compare [img-1] with this"]
+    assert [m.images for m in tagged] == [("AAAA",), (), ("BBBB", "CCCC")]  # the images stay with their message
     tmpl = "{{ range .Messages }}{{ .Content }}{{ if .Images }}({{ len .Images }}){{ end }};{{ end }}"
     assert render_messages(tmpl, None, msgs) == "[img-0]what is this?(1);a cat;[img-2]compare [img-1] with this(2);"
     assert (
@@ -543,10 +569,11 @@ def test_plain_fallback() -> None:
 def test_legacy_turns_share_one_step_budget() -> None:
     turns = [{"role": r, "content": "x"} for _ in range(400) for r in ("user", "assistant")]
     slow = "{{ range 5000 }}{{ end }}{{ .Prompt }}{{ .Response }}"
-    start = time.monotonic()
+    # one turn (5000 steps and a few) is far inside the budget, and so is each of the 400: only their sum passes it
+    assert 5000 * 2 < gotemplate.MAX_STEPS < 5000 * 400
+    assert render_messages(slow, None, turns[:2]) == "xx"
     with pytest.raises(TemplateError, match="steps"):
         render_messages(slow, None, turns)
-    assert time.monotonic() - start < 3
 
 
 def test_template_errors() -> None:
@@ -650,20 +677,19 @@ def test_jinja_errors(template: str, message: str) -> None:
 
 
 def test_jinja_runaway_templates_are_stopped() -> None:
-    start = time.monotonic()
-    with pytest.raises(TemplateError):
+    # A range past the sandbox's limit is refused before the loop starts.
+    with pytest.raises(TemplateError, match="Range too big"):
         render_messages(None, "{% for i in range(10**12) %}x{% endfor %}", [USER1])
-    assert time.monotonic() - start < 3
-    start = time.monotonic()
+    # A loop that writes 10 KB a turn passes the output bound (8M characters) at its 839th turn, in a few ms and
+    # long before any deadline: a size check.
+    with pytest.raises(TemplateError, match="output too large"):
+        render_jinja("{% for i in range(100000) %}{{ 'x' * 10000 }}{% endfor %}", [USER1])
+    # A loop that writes nothing is stopped by the deadline alone, which is a time: the message names it, and the
+    # render returns near it (the sandbox waits the deadline plus 1 s at most; the bound is generous for a busy CI).
     spin = (
         "{% for i in range(100000) %}{% for j in range(100000) %}{% if i == j - 1 %}{% endif %}{% endfor %}{% endfor %}"
     )
+    start = time.monotonic()
     with pytest.raises(TemplateError, match="longer than 0.5s"):
         render_jinja(spin, [USER1], timeout=0.5)
-    assert time.monotonic() - start < 3
-    start = time.monotonic()
-    with pytest.raises(TemplateError, match="output too large|longer than"):
-        render_jinja(
-            "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxxxx{% endfor %}{% endfor %}", [USER1]
-        )
-    assert time.monotonic() - start < 4
+    assert time.monotonic() - start < 0.5 + 1.0 + 3.0

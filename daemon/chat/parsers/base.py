@@ -1,14 +1,13 @@
-"""What an output parser is: a streaming splitter of generated text into content, thinking and tool calls."""
+"""What an output parser is: a streaming splitter of generated text into content, thinking and tool calls; and the
+table the family modules register their parsers in (``@register("name", ...)``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Protocol
 
-from daemon.chat.types import Parsed, ThinkValue
-
-Tool = Mapping[str, Any]  # Ollama/OpenAI shape: {"type": "function", "function": {"name", "description", "parameters"}}
-Message = Mapping[str, Any]  # Ollama shape: role, content, thinking, tool_calls, tool_name, images
+from daemon.chat.registry import Registry
+from daemon.chat.types import Message, Parsed, ThinkValue, Tool
 
 
 class Parser(Protocol):
@@ -20,6 +19,10 @@ class Parser(Protocol):
     #: whether the family calls tools / thinks in a way this parser understands (capabilities follow these)
     has_tools: bool
     has_thinking: bool
+    #: what a prompt continued after the model's finished thinking needs before the answer (thinking, then an
+    #: answer under a format: ``pipeline.answer_after_thinking``); "" for most families, whose templates close the
+    #: thinking themselves (harmony's is the channel switch into its final answer)
+    answer_after_thinking: str
 
     def init(self, tools: Sequence[Tool] | None, last: Message | None, think: ThinkValue) -> Sequence[Tool] | None:
         """Start a generation: the request's tools, the last message of the prompt (an assistant prefill continues
@@ -29,3 +32,7 @@ class Parser(Protocol):
     def add(self, text: str, done: bool) -> Parsed:
         """Take the next piece of output; return what is now certain."""
         ...
+
+
+PARSERS: Registry[Parser] = Registry("parser")
+register = PARSERS.register

@@ -4,7 +4,7 @@ they echo between ``<｜tool▁outputs▁begin｜>`` and ``<｜tool▁outputs▁
 
 from __future__ import annotations
 
-from daemon.chat.parsers import register
+from daemon.chat.parsers.base import register
 from daemon.chat.parsers.deepseek import DeepSeekParser
 
 

@@ -10,10 +10,9 @@ import json
 from collections.abc import Sequence
 from enum import Enum, auto
 
-from daemon.chat.parsers import register
-from daemon.chat.parsers.base import Message, Tool
+from daemon.chat.parsers.base import register
 from daemon.chat.parsers.text import ThinkingFirst, assistant_prefill, earliest, give_call, hold_back
-from daemon.chat.types import Parsed, ThinkValue, ToolCall, think_enabled
+from daemon.chat.types import Message, Parsed, ThinkValue, Tool, ToolCall, think_enabled
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"

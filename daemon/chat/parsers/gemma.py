@@ -13,11 +13,10 @@ from collections.abc import Mapping, Sequence
 from enum import Enum, auto
 from typing import Any
 
-from daemon.chat.parsers import register
-from daemon.chat.parsers.base import Message, Tool
+from daemon.chat.parsers.base import register
 from daemon.chat.parsers.text import StreamParser, give_call, hold_back
 from daemon.chat.schema import declared_function, declared_properties
-from daemon.chat.types import Parsed, ThinkValue, ToolCall, think_enabled
+from daemon.chat.types import JSONObject, Message, Parsed, ThinkValue, Tool, ToolCall, think_enabled
 
 G4_CHANNEL_OPEN = "<|channel>"
 G4_CHANNEL_CLOSE = "<channel|>"
@@ -154,7 +153,7 @@ class _ArgReader:
         return self.i >= len(self.s)
 
 
-def _string_only(tool: Mapping[str, Any] | None, key: str) -> bool:
+def _string_only(tool: JSONObject | None, key: str) -> bool:
     """Whether the declared tool says argument ``key`` is a string and nothing else."""
     prop = declared_properties(tool).get(key)
     return isinstance(prop, Mapping) and prop.get("type") in ("string", ["string"])
@@ -210,7 +209,7 @@ class Gemma4Parser(StreamParser):
         self._tools, self._buf, self._skip_ws = tools, "", False
         self._show_thinking = self.has_thinking and think_enabled(think)
         # after a tool result the prompt leaves the model inside its thinking channel
-        after_tool = last is not None and last.get("role") == "tool"
+        after_tool = last is not None and last.role == "tool"
         self._state = _G4.THINKING if self._show_thinking and after_tool else _G4.CONTENT
         return tools
 

@@ -6,31 +6,31 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from daemon.chat.parsers import register
-from daemon.chat.parsers.base import Message, Tool
+from daemon.chat.parsers.base import register
 from daemon.chat.parsers.text import ThinkingFirst, assistant_prefill, give_call, hold_back
 from daemon.chat.schema import declared_function, declared_properties
-from daemon.chat.types import Parsed, ThinkValue, ToolCall, think_enabled
+from daemon.chat.types import JSONObject, Message, Parsed, ThinkValue, Tool, ToolCall, think_enabled
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
-def _schema_types(tool: Mapping[str, Any] | None, key: str) -> set[str]:
+def _schema_types(tool: JSONObject | None, key: str) -> set[str]:
     """The JSON types the declared tool allows for argument ``key`` (``anyOf`` included); empty when unknown.
 
     Not qwen3-coder's ``_types``: GLM adds the property's own ``type`` to its ``anyOf`` branches' (one level)."""
     prop = declared_properties(tool).get(key)
-    if not isinstance(prop, Mapping):
+    if not isinstance(prop, dict):
         return set()
+    any_of = prop.get("anyOf")
     types: set[str] = set()
-    for p in [prop, *(prop.get("anyOf") or ())]:
-        t = p.get("type") if isinstance(p, Mapping) else None
-        types.update([t] if isinstance(t, str) else (t or ()))
+    for p in [prop, *(any_of if isinstance(any_of, list) else ())]:
+        t = p.get("type") if isinstance(p, dict) else None
+        types.update([t] if isinstance(t, str) else (x for x in t if isinstance(x, str)) if isinstance(t, list) else ())
     return types
 
 
@@ -89,8 +89,8 @@ def _complete(call: ToolCall, tools: Sequence[Tool] | None) -> bool:
     if tool is None:
         return False
     params = tool.get("parameters") or {}
-    required = params.get("required") if isinstance(params, Mapping) else None
-    return all(r in call.arguments for r in required or ())
+    required = params.get("required") if isinstance(params, dict) else None
+    return all(isinstance(r, str) and r in call.arguments for r in required) if isinstance(required, list) else True
 
 
 class GLMParser(ThinkingFirst):

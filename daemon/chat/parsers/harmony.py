@@ -13,13 +13,12 @@ are not (``get-weather`` → ``get_weather``, duplicates numbered) and calls are
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from daemon.chat.parsers import register
-from daemon.chat.parsers.base import Message, Tool
+from daemon.chat.parsers.base import register
 from daemon.chat.parsers.text import StreamParser, earliest
-from daemon.chat.types import Parsed, ThinkValue, ToolCall
+from daemon.chat.types import Message, Parsed, ThinkValue, Tool, ToolCall
 
 START = "<|start|>"
 MESSAGE = "<|message|>"
@@ -128,10 +127,10 @@ class HarmonyParser(StreamParser):
         self._names = FunctionNames()
         self._buf = ""
         self._recipient = ""
-        if last is not None and last.get("role") == "assistant" and (last.get("content") or last.get("thinking")):
+        if last is not None and last.role == "assistant" and (last.content or last.thinking):
             # a prefill continues its message: the answer if it has content, else the reasoning
             self._state = _BODY
-            self._kind = _CONTENT if last.get("content") else _THINKING
+            self._kind = _CONTENT if last.content else _THINKING
         else:
             self._state = _HEADER
             self._header_prefix = "assistant"
@@ -140,12 +139,12 @@ class HarmonyParser(StreamParser):
             return tools
         renamed: list[Tool] = []
         for tool in tools:
-            fn = tool.get("function")
-            name = fn.get("name") if isinstance(fn, Mapping) else None
-            if isinstance(fn, Mapping) and isinstance(name, str) and name:
+            fn = tool.function
+            name = fn.get("name") if fn is not None else None
+            if fn is not None and isinstance(name, str) and name:
                 new = self._names.add(name)
                 if new != name:
-                    tool = {**tool, "function": {**fn, "name": new}}
+                    tool = Tool(name=new, spec={**tool.spec, "function": {**fn, "name": new}})
             renamed.append(tool)
         return renamed
 

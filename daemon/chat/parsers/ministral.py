@@ -14,10 +14,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from daemon.chat.parsers import register
-from daemon.chat.parsers.base import Message, Tool
+from daemon.chat.parsers.base import register
 from daemon.chat.parsers.text import CONTENT, THINKING, JsonEnd, ThinkContentCalls, assistant_prefill
-from daemon.chat.types import Parsed, ThinkValue, ToolCall
+from daemon.chat.types import Message, Parsed, ThinkValue, Tool, ToolCall
 
 TOOL_CALLS = "[TOOL_CALLS]"
 THINK = "[THINK]"

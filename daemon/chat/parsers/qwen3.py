@@ -14,10 +14,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from daemon.chat.parsers import register
-from daemon.chat.parsers.base import Message, Tool
+from daemon.chat.parsers.base import register
 from daemon.chat.parsers.text import CONTENT, THINKING, Lead, ThinkContentCalls, assistant_prefill, give_call, leading
-from daemon.chat.types import Parsed, ThinkValue, ToolCall, think_enabled
+from daemon.chat.types import Message, Parsed, ThinkValue, Tool, ToolCall, think_enabled
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"

@@ -17,13 +17,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from daemon.chat.parsers import register
+from daemon.chat.parsers.base import register
 from daemon.chat.parsers.qwen3 import Qwen3Parser
 from daemon.chat.schema import declared_function, declared_properties
-from daemon.chat.types import ToolCall
+from daemon.chat.types import Tool, ToolCall
 
 _FUNCTION = re.compile(r"<function=([^>]+)>")
 _PARAMETER = re.compile(r"<parameter=([^>]+)>")
@@ -40,7 +40,7 @@ class Qwen3CoderParser(Qwen3Parser):
         return xml_call(body, self._tools)
 
 
-def xml_call(body: str, tools: list[Mapping[str, Any]]) -> ToolCall | None:
+def xml_call(body: str, tools: Sequence[Tool]) -> ToolCall | None:
     """Parse ``<function=NAME><parameter=KEY>VALUE</parameter>…</function>``; None when there is no function.
 
     Lenient where models slip: a parameter missing its ``</parameter>`` ends at the next parameter or at

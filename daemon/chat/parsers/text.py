@@ -8,8 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
 
-from daemon.chat.parsers.base import Message
-from daemon.chat.types import Parsed, ToolCall
+from daemon.chat.types import Message, Parsed, ToolCall
 
 
 def overlap(text: str, tag: str) -> int:
@@ -86,7 +85,7 @@ def leading(text: str, tag: str) -> tuple[Lead, str]:
 def assistant_prefill(last: Message | None) -> bool:
     """True when the prompt ends with an assistant message that already has content: the generation continues the
     answer, so whatever thinking there was is over."""
-    return last is not None and last.get("role") == "assistant" and bool(last.get("content"))
+    return last is not None and last.role == "assistant" and bool(last.content)
 
 
 def give_call(out: Parsed, call: ToolCall | None, text: str) -> None:
@@ -136,6 +135,8 @@ class StreamParser:
     until it says nothing more can be done, and on the last piece ``_flush``es what was held back. ``_skip_ws``
     drops the whitespace that follows a tag, however the pieces split it (see :meth:`_skip_space`)."""
 
+    #: see ``Parser.answer_after_thinking``: "" unless the family's prompt needs a switch into the answer
+    answer_after_thinking: str = ""
     _buf: str = ""
     _skip_ws: bool = False
 

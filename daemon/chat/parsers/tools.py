@@ -10,15 +10,14 @@ call of a declared tool is given back as content, tag included, so nothing is lo
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from enum import Enum
 from typing import Any
 
-from daemon.chat.parsers import register
-from daemon.chat.parsers.base import Message, Tool
+from daemon.chat.parsers.base import register
 from daemon.chat.parsers.text import JsonEnd, overlap
 from daemon.chat.parsers.thinking import ThinkingParser
-from daemon.chat.types import Parsed, ThinkValue, ToolCall, think_enabled
+from daemon.chat.types import Message, Parsed, ThinkValue, Tool, ToolCall, think_enabled
 
 BARE_TAGS = ("{", "[")  # "tags" that are the JSON's own first character: calls only at the start of the output
 _SEPARATORS = ";,"  # between consecutive calls (llama 3.2 writes `{...}; {...}`)
@@ -26,15 +25,7 @@ _SEPARATORS = ";,"  # between consecutive calls (llama 3.2 writes `{...}; {...}`
 
 def tool_names(tools: Iterable[Tool] | None) -> set[str]:
     """The names of the declared function tools (Ollama/OpenAI ``{"function": {"name"}}`` or a bare ``{"name"}``)."""
-    names: set[str] = set()
-    for tool in tools or ():
-        if not isinstance(tool, Mapping):
-            continue
-        fn = tool.get("function")
-        name = fn.get("name") if isinstance(fn, Mapping) else tool.get("name")
-        if isinstance(name, str) and name:
-            names.add(name)
-    return names
+    return {tool.name for tool in tools or () if tool.name}
 
 
 def closing_tag(tag: str) -> str | None:
@@ -249,6 +240,8 @@ class GenericParser:
     models without a ``PARSER``, with tags inferred from their template, and registered for the families that
     need nothing more. ``prefilled_thinking``: the prompt ends with the opening tag (see also :meth:`prefill`)."""
 
+    answer_after_thinking = ""
+
     def __init__(
         self,
         think_tags: tuple[str, str] | None = None,
@@ -268,7 +261,7 @@ class GenericParser:
     def init(self, tools: Sequence[Tool] | None, last: Message | None, think: ThinkValue) -> Sequence[Tool] | None:
         self._thinking = self._tools = None
         # A prefilled assistant message with content is continued as content: its thinking (if any) is over.
-        continuing = bool(last and last.get("role") == "assistant" and last.get("content"))
+        continuing = last is not None and last.role == "assistant" and bool(last.content)
         if self.think_tags and think_enabled(think) and not continuing:
             opening, closing = self.think_tags
             self._thinking = ThinkingParser(opening, closing, prefilled=self.prefilled_thinking)

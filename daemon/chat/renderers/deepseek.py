@@ -14,10 +14,8 @@ from daemon.chat.parsers.deepseek import (  # the family's tokens, one definitio
     OUTPUT_END,
     SEP,
 )
-from daemon.chat.renderers import register
-from daemon.chat.renderers.base import Message, Tool
-from daemon.chat.renderers.qwen3_coder import calls_of, check_roles, compact_json, function_of, text
-from daemon.chat.types import ThinkValue, think_enabled
+from daemon.chat.renderers.base import check_roles, compact_json, function_of, register
+from daemon.chat.types import Message, ThinkValue, Tool, think_enabled
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -43,19 +41,19 @@ class DeepSeek3Renderer:
     def render(self, messages: Sequence[Message], tools: Sequence[Tool] | None, think: ThinkValue) -> str:
         check_roles(messages, ("system", "user", "assistant", "tool"), "deepseek3.1")
         thinking = think_enabled(think)
-        out = [BOS, "\n\n".join(text(m) for m in messages if m["role"] == "system")]
+        out = [BOS, "\n\n".join(m.content for m in messages if m.role == "system")]
         if tools:
             out.append("\n\n## Tools\nYou have access to the following tools:\n")
             for tool in tools:
                 fn = function_of(tool)
                 out.append(f"\n### {fn['name']}\nDescription: {fn.get('description') or ''}")
-                out.append("\n\nParameters: " + compact_json(dict(fn.get("parameters") or {})) + "\n")
+                out.append("\n\nParameters: " + compact_json(fn.get("parameters") or {}) + "\n")
             out.append(_TOOL_RULES)
-        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+        last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
         after_user = after_tool = False
         for i, m in enumerate(messages):
-            role = m["role"]
-            content = text(m)
+            role = m.role
+            content = m.content
             if role == "user":
                 after_user, after_tool = True, False
                 out.append(USER + content)
@@ -63,14 +61,14 @@ class DeepSeek3Renderer:
                 after_user, after_tool = False, True
                 out.append(OUTPUT_BEGIN + content + OUTPUT_END)
             elif role == "assistant":
-                calls = calls_of(m)
+                calls = m.tool_calls
                 if after_user:
                     # Only the answer to the newest query may open with <think>; earlier answers close it at once.
-                    opens = not calls and thinking and i > last_user and bool(text(m, "thinking"))
+                    opens = not calls and thinking and i > last_user and bool(m.thinking)
                     out.append(ASSISTANT + ("<think>" if opens else "</think>"))
                 if calls:
                     out.append(content + CALLS_BEGIN)
-                    out.extend(CALL_BEGIN + name + SEP + compact_json(dict(args)) + CALL_END for name, args in calls)
+                    out.extend(CALL_BEGIN + c.name + SEP + compact_json(c.arguments) + CALL_END for c in calls)
                     out.append(CALLS_END + EOS)
                 else:
                     if not after_tool and "</think>" in content:

@@ -4,13 +4,10 @@ end markers, JSON tool listing, ``<tool_call>NAME<arg_key>…</arg_key><arg_valu
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from daemon.chat.renderers import register
-from daemon.chat.renderers.base import Message, Tool
-from daemon.chat.renderers.qwen3_coder import calls_of, check_roles, compact_json, text
-from daemon.chat.types import ThinkValue, think_enabled
+from daemon.chat.renderers.base import check_roles, compact_json, register
+from daemon.chat.types import JSONValue, Message, ThinkValue, Tool, think_enabled
 
 ROLES = ("system", "user", "assistant", "tool")
 _INTRO = (
@@ -19,15 +16,15 @@ _INTRO = (
 )
 
 
-def _arg_value(value: Any) -> str:
+def _arg_value(value: JSONValue) -> str:
     # Strings go in bare; everything else as compact JSON.
     if isinstance(value, str):
         return value
-    return compact_json(dict(value) if isinstance(value, Mapping) else value)
+    return compact_json(value)
 
 
 def _is_prefill(messages: Sequence[Message]) -> bool:
-    return bool(messages) and messages[-1]["role"] == "assistant" and not calls_of(messages[-1])
+    return bool(messages) and messages[-1].role == "assistant" and not messages[-1].tool_calls
 
 
 @register("glm-4.7")
@@ -39,28 +36,29 @@ class GLM47Renderer:
         out = ["[gMASK]<sop>"]
         if tools:
             out.append(_INTRO)
-            out.extend(json.dumps(dict(t), ensure_ascii=False) + "\n" for t in tools)
+            out.extend(json.dumps(t.spec, ensure_ascii=False) + "\n" for t in tools)
             out.append(
                 "</tools>\n\nFor each function call, output the function name and arguments within the following "
                 "XML format:\n<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}"
                 "</arg_value><arg_key>{arg-key-2}</arg_key><arg_value>{arg-value-2}</arg_value>...</tool_call>"
             )
         for i, m in enumerate(messages):
-            role = m["role"]
+            role = m.role
             if role == "assistant":
-                thinking = text(m, "thinking")
-                out.append("<|assistant|>" + (f"<think>{thinking}</think>" if thinking else "</think>") + text(m))
-                for name, args in calls_of(m):
+                thinking = m.thinking
+                out.append("<|assistant|>" + (f"<think>{thinking}</think>" if thinking else "</think>") + m.content)
+                for call in m.tool_calls:
                     body = "".join(
-                        f"<arg_key>{k}</arg_key><arg_value>{_arg_value(v)}</arg_value>" for k, v in args.items()
+                        f"<arg_key>{k}</arg_key><arg_value>{_arg_value(v)}</arg_value>"
+                        for k, v in call.arguments.items()
                     )
-                    out.append(f"<tool_call>{name}{body}</tool_call>")
+                    out.append(f"<tool_call>{call.name}{body}</tool_call>")
             elif role == "tool":
-                if i == 0 or messages[i - 1]["role"] != "tool":
+                if i == 0 or messages[i - 1].role != "tool":
                     out.append("<|observation|>")
-                out.append("<tool_response>" + text(m) + "</tool_response>")
+                out.append("<tool_response>" + m.content + "</tool_response>")
             else:
-                out.append(f"<|{role}|>" + text(m))
+                out.append(f"<|{role}|>" + m.content)
         if not _is_prefill(messages):
             out.append("<|assistant|>" + ("</think>" if think is not None and not think_enabled(think) else "<think>"))
         return "".join(out)
@@ -77,32 +75,33 @@ class GLM46Renderer:
         out = ["[gMASK]<sop>"]
         if tools:
             out.append(_INTRO)
-            out.extend(compact_json(dict(t)) + "\n" for t in tools)
+            out.extend(compact_json(t.spec) + "\n" for t in tools)
             out.append(
                 "</tools>\n\nFor each function call, output the function name and arguments within the following "
                 "XML format:\n<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}"
                 "</arg_value>\n<arg_key>{arg-key-2}</arg_key>\n<arg_value>{arg-value-2}</arg_value>\n...\n</tool_call>"
             )
-        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=0)
+        last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=0)
         for i, m in enumerate(messages):
-            role = m["role"]
-            content = text(m)
+            role = m.role
+            content = m.content
             if role == "user":
                 suffix = "/nothink" if no_think and not content.endswith("/nothink") else ""
                 out.append("<|user|>\n" + content + suffix)
             elif role == "assistant":
                 out.append("<|assistant|>")
                 if i > last_user:
-                    out.append("\n<think>" + text(m, "thinking") + "</think>")
+                    out.append("\n<think>" + m.thinking + "</think>")
                 if content:
                     out.append("\n" + content)
-                for name, args in calls_of(m):
+                for call in m.tool_calls:
                     body = "".join(
-                        f"<arg_key>{k}</arg_key>\n<arg_value>{_arg_value(v)}</arg_value>\n" for k, v in args.items()
+                        f"<arg_key>{k}</arg_key>\n<arg_value>{_arg_value(v)}</arg_value>\n"
+                        for k, v in call.arguments.items()
                     )
-                    out.append(f"\n<tool_call>{name}\n{body}</tool_call>")
+                    out.append(f"\n<tool_call>{call.name}\n{body}</tool_call>")
             elif role == "tool":
-                if i == 0 or messages[i - 1]["role"] != "tool":
+                if i == 0 or messages[i - 1].role != "tool":
                     out.append("<|observation|>")
                 out.append("\n<tool_response>\n" + content + "\n</tool_response>")
             else:

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
-from daemon.chat.renderers import register
-from daemon.chat.renderers.base import Message, Tool
-from daemon.chat.renderers.qwen3_coder import calls_of, check_roles, compact_json, function_of, text
-from daemon.chat.types import ThinkValue
+from daemon.chat.renderers.base import check_roles, compact_json, function_of, register
+from daemon.chat.types import JSONValue, Message, ThinkValue, Tool
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 KNOWLEDGE_CUTOFF = "2024-06"
@@ -30,16 +27,19 @@ def reasoning_level(think: ThinkValue) -> str:
     return "high" if think == "max" else "medium"
 
 
-def _ts_type(schema: Any) -> str:
+def _ts_type(schema: JSONValue) -> str:
     # The TypeScript-like type harmony uses for a JSON-schema property.
-    if not isinstance(schema, Mapping):
+    if not isinstance(schema, dict):
         return "any"
-    if schema.get("enum"):
-        return " | ".join(json.dumps(v, ensure_ascii=False) for v in schema["enum"])
-    if isinstance(schema.get("anyOf"), list | tuple):
-        return " | ".join(_ts_type(s) for s in schema["anyOf"])
+    enum = schema.get("enum")
+    if enum:
+        values = enum if isinstance(enum, list | str | dict) else [enum]  # iterated as given, a malformed one too
+        return " | ".join(json.dumps(v, ensure_ascii=False) for v in values)
+    any_of = schema.get("anyOf")
+    if isinstance(any_of, list):
+        return " | ".join(_ts_type(s) for s in any_of)
     tp = schema.get("type")
-    if isinstance(tp, list | tuple):
+    if isinstance(tp, list):
         return " | ".join(_ts_type({**schema, "type": t}) for t in tp)
     if tp == "array":
         inner = _ts_type(schema["items"]) if "items" in schema else "any"
@@ -52,17 +52,18 @@ def _ts_type(schema: Any) -> str:
 def _tool_ts(tool: Tool) -> str:
     fn = function_of(tool)
     out = f"// {fn['description']}\n" if fn.get("description") else ""
-    params = fn.get("parameters") or {}
-    props = params.get("properties") or {}
-    if not props:
+    params = fn.get("parameters")
+    props = params.get("properties") if isinstance(params, dict) else None
+    if not isinstance(props, dict) or not props:
         return out + f"type {fn['name']} = () => any;\n\n"
-    required = set(params.get("required") or ())
+    required = params.get("required") if isinstance(params, dict) else None
+    names = set(required) if isinstance(required, list) else set()
     out += f"type {fn['name']} = (_: {{\n"
     for name, prop in props.items():
-        if isinstance(prop, Mapping) and prop.get("description"):
+        if isinstance(prop, dict) and prop.get("description"):
             out += f"// {prop['description']}\n"
-        line = f"{name}{'' if name in required else '?'}: {_ts_type(prop)},"
-        if isinstance(prop, Mapping) and "default" in prop:
+        line = f"{name}{'' if name in names else '?'}: {_ts_type(prop)},"
+        if isinstance(prop, dict) and "default" in prop:
             line += f" // default: {prop['default']}"
         out += line + "\n"
     return out + "}) => any;\n\n"
@@ -75,16 +76,15 @@ def _tool_names(messages: Sequence[Message]) -> list[str]:
     by_id: dict[str, str] = {}
     pending: list[str] = []
     for m in messages:
-        if m["role"] == "assistant":
+        if m.role == "assistant":
             pending = []
-            for call in m.get("tool_calls") or ():
-                name = str((call.get("function") or {}).get("name", ""))
-                pending.append(name)
-                if call.get("id"):
-                    by_id[str(call["id"])] = name
+            for call in m.tool_calls:
+                pending.append(call.name)
+                if call.id:
+                    by_id[call.id] = call.name
             names.append("")
-        elif m["role"] == "tool":
-            name = text(m, "tool_name") or by_id.get(text(m, "tool_call_id"), "") or (pending[0] if pending else "")
+        elif m.role == "tool":
+            name = m.tool_name or by_id.get(m.tool_call_id, "") or (pending[0] if pending else "")
             if pending:
                 pending.pop(0)
             names.append(name)
@@ -113,7 +113,7 @@ class HarmonyRenderer:
         if tools:
             out.append("\nCalls to these tools must go to the commentary channel: 'functions'.")
         out.append("<|end|>")
-        instructions = "\n\n".join(text(m) for m in messages if m["role"] in ("system", "developer") and text(m))
+        instructions = "\n\n".join(m.content for m in messages if m.role in ("system", "developer") and m.content)
         if instructions or tools:
             sections = []
             if instructions:
@@ -124,27 +124,29 @@ class HarmonyRenderer:
                     "# Tools\n\n## functions\n\nnamespace functions {\n\n" + body + "} // namespace functions"
                 )
             out.append("<|start|>developer<|message|>" + "\n\n".join(sections) + "<|end|>")
-        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+        last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
         names = _tool_names(messages)
         for i, m in enumerate(messages):
-            role = m["role"]
+            role = m.role
             last = i == len(messages) - 1
             if role == "user":
-                out.append("<|start|>user<|message|>" + text(m) + "<|end|>")
+                out.append("<|start|>user<|message|>" + m.content + "<|end|>")
             elif role == "tool":
                 out.append(
-                    f"<|start|>functions.{names[i]} to=assistant<|channel|>commentary<|message|>{text(m)}<|end|>"
+                    f"<|start|>functions.{names[i]} to=assistant<|channel|>commentary<|message|>{m.content}<|end|>"
                 )
             elif role == "assistant":
                 out.append(self._assistant(m, i > last_user, last))
-        tail = messages[-1] if messages else {}
-        if not (tail.get("role") == "assistant" and not calls_of(tail) and (text(tail) or text(tail, "thinking"))):
+        tail = messages[-1] if messages else None
+        if not (
+            tail is not None and tail.role == "assistant" and not tail.tool_calls and (tail.content or tail.thinking)
+        ):
             out.append("<|start|>assistant")
         return "".join(out)
 
     @staticmethod
     def _assistant(m: Message, current: bool, last: bool) -> str:
-        thinking, content, calls = text(m, "thinking"), text(m), calls_of(m)
+        thinking, content, calls = m.thinking, m.content, m.tool_calls
         # A last assistant message without calls is a prefill: its last part is left open for the model.
         prefill = last and not calls
         parts: list[tuple[str, str]] = []
@@ -155,9 +157,9 @@ class HarmonyRenderer:
         out = ""
         for k, (head, body) in enumerate(parts):
             out += head + body + ("" if prefill and k == len(parts) - 1 else "<|end|>")
-        for name, args in calls:
+        for call in calls:
             out += (
-                f"<|start|>assistant<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
-                f"{compact_json(dict(args))}<|call|>"
+                f"<|start|>assistant<|channel|>commentary to=functions.{call.name} <|constrain|>json<|message|>"
+                f"{compact_json(call.arguments)}<|call|>"
             )
         return out

@@ -6,25 +6,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
 
-from daemon.chat.renderers import register
-from daemon.chat.renderers.base import Message, Tool
+from daemon.chat.renderers.base import check_roles, register
 from daemon.chat.renderers.qwen3_coder import (
     IM_END,
     IM_START,
     ROLES,
     XML_CALL_INSTRUCTIONS,
-    calls_of,
-    check_roles,
-    text,
     tool_response,
     xml_call,
 )
-from daemon.chat.types import ThinkValue, think_enabled
+from daemon.chat.types import JSONValue, Message, ThinkValue, Tool, think_enabled
 
 
-def spaced_json(value: Any) -> str:
+def spaced_json(value: JSONValue) -> str:
     """JSON with a space after ``:`` and ``,`` (Python's default, which the published templates' ``tojson`` gives)."""
     return json.dumps(value, ensure_ascii=False)
 
@@ -34,8 +29,8 @@ def _last_query_index(messages: Sequence[Message], strip: bool) -> int:
     # turns after it belong to the current query and keep their thinking.
     for i in range(len(messages) - 1, -1, -1):
         m = messages[i]
-        if m.get("role") == "user":
-            content = text(m).strip() if strip else text(m)
+        if m.role == "user":
+            content = m.content.strip() if strip else m.content
             if not (content.startswith("<tool_response>") and content.endswith("</tool_response>")):
                 return i
     return len(messages) - 1
@@ -64,11 +59,11 @@ class Qwen35Renderer:
         check_roles(messages, ROLES, "qwen3.5")
         thinking = True if think is None else think_enabled(think)
         out: list[str] = []
-        has_system = bool(messages) and messages[0].get("role") == "system"
-        system = text(messages[0]).strip() if has_system else ""
+        has_system = bool(messages) and messages[0].role == "system"
+        system = messages[0].content.strip() if has_system else ""
         if tools:
             out.append(IM_START + "system\n# Tools\n\nYou have access to the following functions:\n\n<tools>")
-            out.extend("\n" + spaced_json(dict(t)) for t in tools)
+            out.extend("\n" + spaced_json(t.spec) for t in tools)
             out.append("\n</tools>" + XML_CALL_INSTRUCTIONS)
             if system:
                 out.append("\n\n" + system)
@@ -77,8 +72,8 @@ class Qwen35Renderer:
             out.append(IM_START + "system\n" + system + IM_END + "\n")
         last_query = _last_query_index(messages, strip=True)
         for i, m in enumerate(messages):
-            role = m["role"]
-            content = text(m).strip()
+            role = m.role
+            content = m.content.strip()
             last = i == len(messages) - 1
             prefill = last and role == "assistant"
             if role == "user" or (role == "system" and i != 0):
@@ -86,17 +81,17 @@ class Qwen35Renderer:
             elif role == "assistant":
                 keep_think = thinking and i > last_query
                 if keep_think:
-                    reasoning, content = _split_reasoning(content, text(m, "thinking"))
+                    reasoning, content = _split_reasoning(content, m.thinking)
                     out.append(IM_START + "assistant\n<think>\n" + reasoning + "\n</think>\n\n" + content)
                 else:
                     _, content = _split_reasoning(content, "")
                     out.append(IM_START + "assistant\n" + content)
-                for j, (name, args) in enumerate(calls_of(m)):
+                for j, call in enumerate(m.tool_calls):
                     if j > 0:
                         out.append("\n")
                     elif content.strip():
                         out.append("\n\n")
-                    out.append(xml_call(name, args))
+                    out.append(xml_call(call.name, call.arguments))
                 if not prefill:
                     out.append(IM_END + "\n")
             elif role == "tool":
@@ -118,47 +113,47 @@ class Qwen3VLRenderer:
         check_roles(messages, ROLES, "qwen3-vl")
         thinking = self.thinking if think is None else think_enabled(think)
         out: list[str] = []
-        has_system = bool(messages) and messages[0].get("role") == "system"
+        has_system = bool(messages) and messages[0].role == "system"
         if tools:
-            out.append(IM_START + "system\n" + (text(messages[0]) + "\n\n" if has_system else ""))
+            out.append(IM_START + "system\n" + (messages[0].content + "\n\n" if has_system else ""))
             out.append(
                 "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
                 "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
             )
-            out.extend("\n" + spaced_json(dict(t)) for t in tools)
+            out.extend("\n" + spaced_json(t.spec) for t in tools)
             out.append(
                 "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
                 '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
                 "<args-json-object>}\n</tool_call>" + IM_END + "\n"
             )
         elif has_system:
-            out.append(IM_START + "system\n" + text(messages[0]) + IM_END + "\n")
+            out.append(IM_START + "system\n" + messages[0].content + IM_END + "\n")
         last_query = _last_query_index(messages, strip=False)
         for i, m in enumerate(messages):
-            role = m["role"]
-            content = text(m)
+            role = m.role
+            content = m.content
             last = i == len(messages) - 1
             prefill = last and role == "assistant"
             if role == "user" or (role == "system" and i != 0):
                 out.append(IM_START + role + "\n" + content + IM_END + "\n")
             elif role == "assistant":
-                reasoning = text(m, "thinking") if thinking else ""
+                reasoning = m.thinking if thinking else ""
                 if thinking and i > last_query and (last or reasoning):
                     out.append(IM_START + "assistant\n<think>\n" + reasoning.strip("\n"))
                     # The published template always closes the block; Ollama leaves it open when there is no
                     # content. We close it unless nothing follows (a prefill that continues the thinking).
-                    if content or m.get("tool_calls"):
+                    if content or m.tool_calls:
                         out.append("\n</think>\n\n" + content.lstrip("\n"))
                 else:
                     out.append(IM_START + "assistant\n" + content)
-                for j, (name, args) in enumerate(calls_of(m)):
+                for j, call in enumerate(m.tool_calls):
                     if j > 0 or content:
                         out.append("\n")
                     out.append(
                         '<tool_call>\n{"name": "'
-                        + name
+                        + call.name
                         + '", "arguments": '
-                        + spaced_json(dict(args))
+                        + spaced_json(call.arguments)
                         + "}\n</tool_call>"
                     )
                 if not prefill:

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from daemon.chat.renderers import register
-from daemon.chat.renderers.base import Message, Tool
-from daemon.chat.types import ThinkValue
-from errors import InvalidRequest
+from daemon.chat.renderers.base import check_roles, compact_json, function_of, register
+from daemon.chat.types import JSONObject, JSONValue, Message, ThinkValue, Tool
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -45,78 +41,43 @@ the user about function calls
 </IMPORTANT>"""
 
 
-def compact_json(value: Any) -> str:
-    """JSON without spaces, non-ASCII kept as is (what Ollama's renderer writes for nested values)."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
-def text(message: Message, key: str = "content") -> str:
-    """A message's string field, empty when absent or null."""
-    value = message.get(key)
-    return value if isinstance(value, str) else ""
-
-
-def check_roles(messages: Sequence[Message], roles: Sequence[str], family: str) -> None:
-    """Raise ``InvalidRequest`` for a role the family has no turn for."""
-    for m in messages:
-        if m.get("role") not in roles:
-            raise InvalidRequest(f"the {family} renderer cannot render a message with role {m.get('role')!r}")
-
-
-def function_of(tool: Tool) -> Mapping[str, Any]:
-    """The ``function`` part of an Ollama/OpenAI tool."""
-    fn = tool.get("function")
-    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-        raise InvalidRequest("a tool needs a function with a name")
-    return fn
-
-
-def calls_of(message: Message) -> list[tuple[str, Mapping[str, Any]]]:
-    """A message's tool calls as (name, arguments) pairs."""
-    out: list[tuple[str, Mapping[str, Any]]] = []
-    for call in message.get("tool_calls") or ():
-        fn = call.get("function") or {}
-        args = fn.get("arguments") or {}
-        if not isinstance(args, Mapping):
-            raise InvalidRequest("tool call arguments must be an object")
-        out.append((str(fn.get("name", "")), args))
-    return out
-
-
-def scalar_text(value: Any) -> str:
+def scalar_text(value: JSONValue) -> str:
     """A tool-call argument as a parameter body: strings bare, containers as JSON, scalars as JSON literals."""
     if isinstance(value, str):
         return value
-    if isinstance(value, Mapping):
-        return compact_json(dict(value))
-    return compact_json(value) if value is None or isinstance(value, bool | int | float | list | tuple) else str(value)
+    return compact_json(value)
 
 
-def _extra_keys(obj: Mapping[str, Any], handled: tuple[str, ...]) -> str:
+def _extra_keys(obj: JSONObject, handled: tuple[str, ...]) -> str:
     # Every other schema key becomes its own tag, in the order given (the reference template iterates the dict).
     out = []
     for key, value in obj.items():
         if key in handled or value is None:
             continue
-        body = compact_json(value) if isinstance(value, Mapping | list | tuple) else scalar_text(value)
+        body = compact_json(value) if isinstance(value, dict | list) else scalar_text(value)
         out.append(f"\n<{key}>{body}</{key}>")
     return "".join(out)
 
 
-def _type_text(tp: Any) -> str:
-    if isinstance(tp, list | tuple):
-        return tp[0] if len(tp) == 1 else compact_json(list(tp))
+def _type_text(tp: JSONValue) -> str:
+    if isinstance(tp, list):
+        return str(tp[0]) if len(tp) == 1 else compact_json(tp)
     return str(tp)
+
+
+def _object(value: JSONValue | None) -> JSONObject:
+    return value if isinstance(value, dict) else {}
 
 
 def _tool_xml(tool: Tool) -> str:
     fn = function_of(tool)
-    parts = ["\n<function>\n<name>" + fn["name"] + "</name>"]
+    parts = ["\n<function>\n<name>" + str(fn["name"]) + "</name>"]
     if fn.get("description"):
         parts.append("\n<description>" + str(fn["description"]) + "</description>")
     parts.append("\n<parameters>")
-    params = fn.get("parameters") or {}
-    for name, prop in (params.get("properties") or {}).items():
+    params = _object(fn.get("parameters"))
+    for name, value in _object(params.get("properties")).items():
+        prop = _object(value)
         parts.append("\n<parameter>\n<name>" + name + "</name>")
         if prop.get("type"):
             parts.append("\n<type>" + _type_text(prop["type"]) + "</type>")
@@ -129,7 +90,7 @@ def _tool_xml(tool: Tool) -> str:
     return "".join(parts)
 
 
-def xml_call(name: str, args: Mapping[str, Any]) -> str:
+def xml_call(name: str, args: JSONObject) -> str:
     """One call in the XML form, without surrounding newlines: ``<tool_call>\\n<function=NAME>…</tool_call>``."""
     body = "".join(f"\n<parameter={k}>\n{scalar_text(v)}\n</parameter>" for k, v in args.items())
     return f"<tool_call>\n<function={name}>{body}\n</function>\n</tool_call>"
@@ -138,10 +99,10 @@ def xml_call(name: str, args: Mapping[str, Any]) -> str:
 def tool_response(messages: Sequence[Message], i: int, content: str) -> str:
     """A tool result; consecutive results share one user turn, each in its own ``<tool_response>``."""
     out = ""
-    if i == 0 or messages[i - 1].get("role") != "tool":
+    if i == 0 or messages[i - 1].role != "tool":
         out += IM_START + "user"
     out += "\n<tool_response>\n" + content + "\n</tool_response>"
-    if i == len(messages) - 1 or messages[i + 1].get("role") != "tool":
+    if i == len(messages) - 1 or messages[i + 1].role != "tool":
         out += IM_END + "\n"
     return out
 
@@ -155,10 +116,10 @@ class Qwen3CoderRenderer:
         system = ""
         rest: list[Message] = []
         for m in messages:
-            if m.get("role") != "system":
+            if m.role != "system":
                 rest.append(m)
             elif not system:
-                system = text(m)
+                system = m.content
         out: list[str] = []
         if system or tools:
             out.append(IM_START + "system\n" + (system or DEFAULT_SYSTEM))
@@ -168,14 +129,13 @@ class Qwen3CoderRenderer:
                 out.append("\n</tools>" + XML_CALL_INSTRUCTIONS)
             out.append(IM_END + "\n")
         for i, m in enumerate(rest):
-            role = m["role"]
+            role = m.role
             last = i == len(rest) - 1
             prefill = last and role == "assistant"
-            content = text(m)
-            calls = calls_of(m)
-            if role == "assistant" and calls:
+            content = m.content
+            if role == "assistant" and m.tool_calls:
                 out.append(IM_START + "assistant\n" + (content + "\n" if content else ""))
-                out.extend("\n" + xml_call(name, args) for name, args in calls)
+                out.extend("\n" + xml_call(c.name, c.arguments) for c in m.tool_calls)
                 out.append(IM_END + "\n")
             elif role == "assistant":
                 out.append(IM_START + "assistant\n" + content + ("" if prefill else IM_END + "\n"))

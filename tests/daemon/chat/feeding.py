@@ -7,8 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from daemon.chat.parsers import parser_for
-from daemon.chat.parsers.base import Message, Tool
-from daemon.chat.types import ThinkValue
+from daemon.chat.types import Message, ThinkValue, Tool
 
 #: (content, thinking, calls as (name, arguments)), each joined over the pieces
 Result = tuple[str, str, list[tuple[str, dict[str, Any]]]]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from daemon.chat.parsers import parser_for
+from daemon.chat.types import Message, Tool
 from tests.daemon.chat.feeding import parse
 
 # DeepSeek's special tokens: full-width vertical bars (U+FF5C) around words joined by U+2581
@@ -44,7 +45,7 @@ def test_thinking_then_content() -> None:
 def test_thinking_off_keeps_tags_as_content() -> None:
     assert parse("deepseek3", "Some</think>more", think=False) == ("Some</think>more", "", [])
     # an assistant prefill with text has already left thinking
-    prefill = {"role": "assistant", "content": "So far"}
+    prefill = Message(role="assistant", content="So far")
     assert parse("deepseek3", "rest</think>x", think=True, last=prefill) == ("rest</think>x", "", [])
 
 
@@ -93,7 +94,9 @@ def test_empty_arguments_and_escapes() -> None:
 
 
 def test_undeclared_tool_is_still_a_call() -> None:
-    tools = [{"type": "function", "function": {"name": "known", "parameters": {"type": "object", "properties": {}}}}]
+    tools = [
+        Tool.of({"type": "function", "function": {"name": "known", "parameters": {"type": "object", "properties": {}}}})
+    ]
     text = CALLS_BEGIN + call("unknown_tool", '{"a":1}') + CALLS_END
     assert parse("deepseek3", text, tools=tools) == ("", "", [("unknown_tool", {"a": 1})])
 
@@ -155,7 +158,7 @@ def test_r1_cut_off_at_start() -> None:
 
 def test_cogito() -> None:
     fenced = CALL_BEGIN + "function" + SEP + 'get_weather\n```json\n{"location":"Paris"}\n```' + CALL_END
-    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    tools = [Tool.of({"type": "function", "function": {"name": "get_weather"}})]
     # no thinking when tools are offered
     got = parse("cogito", "Checking.</think>" + CALLS_BEGIN + fenced + CALLS_END, think=True, tools=tools)
     assert got == ("Checking.</think>", "", [("get_weather", {"location": "Paris"})])

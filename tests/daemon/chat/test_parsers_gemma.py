@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from daemon.chat.parsers import parser_for
-from daemon.chat.parsers.base import Tool
+from daemon.chat.types import Message, Tool
 from tests.daemon.chat.feeding import parse
 
 Q = '<|"|>'  # Gemma 4's string marker
@@ -16,7 +16,7 @@ Q = '<|"|>'  # Gemma 4's string marker
 
 def tool(name: str, props: dict[str, Any]) -> Tool:
     params = {"type": "object", "properties": props}
-    return {"type": "function", "function": {"name": name, "description": "", "parameters": params}}
+    return Tool.of({"type": "function", "function": {"name": name, "description": "", "parameters": params}})
 
 
 def g4(name: str, args: str) -> str:
@@ -48,7 +48,7 @@ def test_gemma4_thinking_not_asked_is_dropped() -> None:
 
 
 def test_gemma4_after_tool_result_starts_thinking() -> None:
-    last = {"role": "tool", "content": "22C"}
+    last = Message(role="tool", content="22C")
     assert parse("gemma4", "It is warm.<channel|>22 degrees.", think=True, last=last) == (
         "22 degrees.",
         "It is warm.",

@@ -9,14 +9,14 @@ from typing import Any
 import pytest
 
 from daemon.chat.parsers import parser_for
-from daemon.chat.parsers.base import Tool
 from daemon.chat.parsers.glm import typed_value
+from daemon.chat.types import Message, Tool
 from tests.daemon.chat.feeding import parse
 
 
 def tool(name: str, props: dict[str, Any], required: Sequence[str] = ()) -> Tool:
     params = {"type": "object", "properties": props, "required": list(required)}
-    return {"type": "function", "function": {"name": name, "description": "", "parameters": params}}
+    return Tool.of({"type": "function", "function": {"name": name, "description": "", "parameters": params}})
 
 
 WEATHER = tool(
@@ -67,7 +67,7 @@ def test_glm47_output_starts_inside_thinking() -> None:
     assert parse("glm-4.7", "I reason.</think>Answer.") == ("Answer.", "I reason.", [])  # think unset: on
     assert parse("glm-4.7", "I reason.</think>Answer.", think=True) == ("Answer.", "I reason.", [])
     assert parse("glm-4.7", "Plain answer.", think=False) == ("Plain answer.", "", [])
-    prefill = {"role": "assistant", "content": "Partly"}
+    prefill = Message(role="assistant", content="Partly")
     assert parse("glm-4.7", " done.", think=True, last=prefill) == (" done.", "", [])
 
 

@@ -10,9 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from daemon.chat.parsers import parser_for
-from daemon.chat.parsers.base import Message, Tool
 from daemon.chat.parsers.harmony import parse_header
-from daemon.chat.types import ThinkValue
+from daemon.chat.types import Message, ThinkValue, Tool
 from tests.daemon.chat import feeding
 from tests.daemon.chat.feeding import Result
 
@@ -25,7 +24,7 @@ def parse(
 
 
 def tool(name: str) -> Tool:
-    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+    return Tool.of({"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}})
 
 
 WEATHER = [tool("get_weather"), tool("get_time")]
@@ -112,9 +111,9 @@ def test_renamed_tools_map_back() -> None:
     assert p is not None
     rendered = p.init(tools, None, None)
     assert rendered is not None
-    names = [t["function"]["name"] for t in rendered]
+    names = [t.name for t in rendered]
     assert names == ["get_weather", "get_weather_v2", "a_b", "a_b_2", "_2fast", "unnamed", "browser.search"]
-    assert [t["function"]["name"] for t in tools][0] == "get-weather"  # the request's tools are not changed
+    assert [t.name for t in tools][0] == "get-weather"  # the request's tools are not changed
     text = commentary_call("get_weather", '{"city": "Rome"}') + NEXT + commentary_call("a_b_2", "{}")
     assert parse(text, tools=tools)[2] == [("get-weather", {"city": "Rome"}), ("a-b", {})]
 
@@ -127,9 +126,9 @@ def test_no_tools_is_kept() -> None:
 
 
 def test_prefill_continues_its_message() -> None:
-    last: Message = {"role": "assistant", "content": "The answer"}
+    last = Message(role="assistant", content="The answer")
     assert parse(" is four.<|return|>", last=last) == (" is four.", "", [])
-    last = {"role": "assistant", "content": "", "thinking": "Let me"}
+    last = Message(role="assistant", content="", thinking="Let me")
     assert parse(f" see.<|end|>{NEXT}<|channel|>final<|message|>Done.", last=last) == ("Done.", " see.", [])
 
 

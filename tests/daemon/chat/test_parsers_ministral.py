@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from daemon.chat.parsers import parser_for
-from daemon.chat.parsers.base import Message, Tool
-from daemon.chat.types import ThinkValue
+from daemon.chat.types import Message, ThinkValue, Tool
 from tests.daemon.chat import feeding
 from tests.daemon.chat.feeding import Result
 
@@ -28,7 +27,7 @@ def parse(
 
 
 def tool(name: str) -> Tool:
-    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+    return Tool.of({"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}})
 
 
 WEATHER = [tool("get_weather"), tool("get_time")]
@@ -123,7 +122,7 @@ def test_thinking_family_starts_inside_thinking() -> None:
     p.init(None, None, True)
     got = p.add("Hmm.[/THINK]Yes.", True)
     assert (got.content, got.thinking) == ("Yes.", "Hmm.")
-    p.init(None, {"role": "assistant", "content": "Partial"}, True)
+    p.init(None, Message(role="assistant", content="Partial"), True)
     got = p.add(" answer.", True)
     assert (got.content, got.thinking) == (" answer.", "")
 

@@ -10,16 +10,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from daemon.chat.parsers import parser_for
-from daemon.chat.parsers.base import Message, Tool
 from daemon.chat.parsers.qwen3_coder import convert
+from daemon.chat.types import Message, Tool
 from tests.daemon.chat.feeding import agrees, parse
 
 
 def tool(name: str, **props: Any) -> Tool:
-    return {
-        "type": "function",
-        "function": {"name": name, "description": "", "parameters": {"type": "object", "properties": props}},
-    }
+    return Tool.of(
+        {
+            "type": "function",
+            "function": {"name": name, "description": "", "parameters": {"type": "object", "properties": props}},
+        }
+    )
 
 
 WEATHER = [tool("get_weather", city={"type": "string"}), tool("get_time", zone={"type": "string"})]
@@ -131,7 +133,7 @@ def test_non_thinking_family_ignores_think() -> None:
 
 
 def test_prefill_continues_the_answer() -> None:
-    last: Message = {"role": "assistant", "content": "The answer is"}
+    last = Message(role="assistant", content="The answer is")
     assert parse("qwen3-thinking", " forty-two.", last=last) == (" forty-two.", "", [])
 
 

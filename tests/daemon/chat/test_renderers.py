@@ -12,7 +12,19 @@ from typing import Any
 import pytest
 
 from daemon.chat.renderers import harmony, names, renderer_for
+from daemon.chat.renderers.base import Renderer
+from daemon.chat.types import Message, ThinkValue, Tool
 from errors import InvalidRequest
+
+
+def render(
+    renderer: Renderer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, think: ThinkValue
+) -> str:
+    """The renderer's prompt for a chat written in Ollama's wire shape (as the fixtures below are)."""
+    return renderer.render(
+        [Message.of(m) for m in messages], [Tool.of(t) for t in tools] if tools is not None else None, think
+    )
+
 
 WEATHER: dict[str, Any] = {
     "type": "function",
@@ -707,7 +719,7 @@ def test_family_renders_case(family: str, case: str) -> None:
     renderer = renderer_for(family)
     assert renderer is not None
     messages, tools, think = CASES[case]
-    assert renderer.render(messages, tools, think) == EXPECTED[family, case]
+    assert render(renderer, messages, tools, think) == EXPECTED[family, case]
 
 
 def test_registered_names() -> None:
@@ -725,14 +737,14 @@ def test_unknown_role_is_invalid(family: str) -> None:
     renderer = renderer_for(family)
     assert renderer is not None
     with pytest.raises(InvalidRequest, match="role 'wizard'"):
-        renderer.render([{"role": "wizard", "content": "x"}], None, None)
+        render(renderer, [{"role": "wizard", "content": "x"}], None, None)
 
 
 def test_renderers_are_deterministic() -> None:
     for name in names():
         renderer = renderer_for(name)
         assert renderer is not None
-        assert renderer.render(CALL, [WEATHER], True) == renderer.render(CALL, [WEATHER], True)
+        assert render(renderer, CALL, [WEATHER], True) == render(renderer, CALL, [WEATHER], True)
 
 
 def test_qwen3_coder_groups_tool_results_and_encodes_arguments() -> None:
@@ -751,7 +763,7 @@ def test_qwen3_coder_groups_tool_results_and_encodes_arguments() -> None:
     ]
     renderer = renderer_for("qwen3-coder")
     assert renderer is not None
-    assert renderer.render(messages, None, None) == (
+    assert render(renderer, messages, None, None) == (
         "<|im_start|>user\ngo<|im_end|>\n"
         "<|im_start|>assistant\nCalling both.\n\n"
         "<tool_call>\n<function=a>\n"
@@ -774,7 +786,7 @@ def test_qwen35_drops_thinking_of_earlier_queries() -> None:
     ]
     renderer = renderer_for("qwen3.5")
     assert renderer is not None
-    assert renderer.render(messages, None, None) == (
+    assert render(renderer, messages, None, None) == (
         "<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n"
         "<|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\n<think>\n"
     )
@@ -790,7 +802,7 @@ def test_deepseek_joins_system_messages_and_strips_past_thinking() -> None:
     ]
     renderer = renderer_for("deepseek3.1")
     assert renderer is not None
-    assert renderer.render(messages, None, "high") == (
+    assert render(renderer, messages, None, "high") == (
         "<｜begin▁of▁sentence｜>One.\n\nTwo.<｜User｜>Q1<｜Assistant｜></think>A1<｜end▁of▁sentence｜>"
         "<｜User｜>Q2<｜Assistant｜><think>"
     )
@@ -813,7 +825,7 @@ def test_gemma4_resolves_tool_names_by_call_id_and_continues_the_model_turn() ->
     ]
     renderer = renderer_for("gemma4")
     assert renderer is not None
-    assert renderer.render(messages, None, None) == (
+    assert render(renderer, messages, None, None) == (
         "<bos><|turn>user\nBoth<turn|>\n<|turn>model\n"
         '<|tool_call>call:ls{all:true,path:<|"|>/<|"|>}<tool_call|>'
         "<|tool_call>call:cat{n:2}<tool_call|>"
@@ -826,14 +838,14 @@ def test_gemma4_resolves_tool_names_by_call_id_and_continues_the_model_turn() ->
 def test_harmony_reasoning_levels_and_injected_clock() -> None:
     renderer = harmony.HarmonyRenderer(clock=lambda: datetime.date(2026, 1, 2))
     chat = [{"role": "user", "content": "Hi"}]
-    assert renderer.render(chat, None, "high") == (
+    assert render(renderer, chat, None, "high") == (
         "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
         "Knowledge cutoff: 2024-06\nCurrent date: 2026-01-02\n\nReasoning: high\n\n"
         "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>"
         "<|start|>user<|message|>Hi<|end|><|start|>assistant"
     )
-    assert "Reasoning: low\n" in renderer.render(chat, None, "low")
-    assert "Reasoning: medium\n" in renderer.render(chat, None, False)
+    assert "Reasoning: low\n" in render(renderer, chat, None, "low")
+    assert "Reasoning: medium\n" in render(renderer, chat, None, False)
 
 
 def test_harmony_tool_listing_types_and_parameterless_tools() -> None:
@@ -858,7 +870,7 @@ def test_harmony_tool_listing_types_and_parameterless_tools() -> None:
     ]
     renderer = renderer_for("harmony")
     assert renderer is not None
-    out = renderer.render([{"role": "user", "content": "x"}], tools, None)
+    out = render(renderer, [{"role": "user", "content": "x"}], tools, None)
     assert (
         "<|start|>developer<|message|># Tools\n\n## functions\n\nnamespace functions {\n\n"
         "// The time\ntype now = () => any;\n\n"

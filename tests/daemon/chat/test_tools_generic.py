@@ -10,12 +10,12 @@ import pytest
 
 from daemon.chat.parsers import parser_for
 from daemon.chat.parsers.tools import GenericParser, ToolCallParser
-from daemon.chat.types import ThinkValue, ToolCall
+from daemon.chat.types import Message, ThinkValue, Tool, ToolCall
 from tests.daemon.chat import feeding
 
 
-def _tool(name: str) -> dict[str, Any]:
-    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+def _tool(name: str) -> Tool:
+    return Tool.of({"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}})
 
 
 TOOLS = [_tool("get_weather"), _tool("get_time"), _tool("say_hello"), _tool("get")]
@@ -245,7 +245,7 @@ def test_generic_prefilled_thinking() -> None:
 
 def test_generic_assistant_prefill_is_content() -> None:
     p = GenericParser(("<think>", "</think>"), None, prefilled_thinking=True)
-    last = {"role": "assistant", "content": "The answer is"}
+    last = Message(role="assistant", content="The answer is")
     assert run_parser(p, [" 4."], last=last) == (" 4.", "", [])
 
 
