@@ -3,6 +3,8 @@ events (undeclared tools and arguments that break the schema stay content)."""
 
 from __future__ import annotations
 
+import pytest
+
 from daemon.chat import parsers, pipeline, renderers
 from daemon.chat.parsers.tools import GenericParser
 from daemon.chat.pipeline import ChatModel, EventStream
@@ -141,3 +143,62 @@ def test_renderer_named_in_the_modelfile_is_used() -> None:
     assert renderers.renderer_for("no-such") is None
     unknown = ChatModel(template="{{ range .Messages }}<<{{ .Content }}>>{{ end }}", renderer="no-such")
     assert pipeline.render(unknown, [Message(role="user", content="hi")], None, None) == "<<hi>>"
+
+
+def test_typed_chat_reaches_renderer_and_template_alike() -> None:
+    """The same typed chat (an image, a call with arguments out of order, its result) through a renderer and
+    through a Go template: images tagged in the text, arguments as given (renderer) or sorted as Go maps are."""
+    chat = [
+        Message(role="user", content="Weather here? [img]", images=("AAAA",)),
+        Message(
+            role="assistant",
+            thinking="Need weather.",
+            tool_calls=(ToolCall("get_weather", {"unit": "c", "city": "Paris"}, id="call_1", index=0),),
+        ),
+        Message(role="tool", content="18C", tool_call_id="call_1"),
+    ]
+    rendered = pipeline.render(ChatModel(renderer="qwen3-vl-instruct"), chat, [Tool.of(WEATHER)], None)
+    assert "<|im_start|>user\nWeather here? [img-0]<|im_end|>\n" in rendered
+    assert '{"name": "get_weather", "arguments": {"unit": "c", "city": "Paris"}}' in rendered
+    tmpl = (
+        "{{ range .Messages }}{{ .Role }}:{{ .Content }}{{ range .ToolCalls }}{{ .ID }}#{{ .Function.Index }} "
+        "{{ .Function.Name }}{{ .Function.Arguments }}{{ end }}{{ .ToolCallID }};{{ end }}"
+        "{{ range .Tools }}{{ .Function.Name }}{{ end }}"
+    )
+    assert pipeline.render(ChatModel(template=tmpl), chat, [Tool.of(WEATHER)], None) == (
+        'user:Weather here? [img-0];assistant:call_1#0 get_weather{"city":"Paris","unit":"c"};tool:18Ccall_1;'
+        "get_weather"
+    )
+
+
+def test_message_wire_shape_round_trips() -> None:
+    m = Message(
+        role="assistant",
+        content="x",
+        thinking="t",
+        images=("AAAA",),
+        tool_calls=(ToolCall("f", {"a": [1, {"b": None}]}, index=2), ToolCall("g", {})),
+        tool_name="n",
+        tool_call_id="c",
+    )
+    assert Message.of(m.wire()) == m
+    assert Message.of({"role": "USER", "content": 5, "tool_calls": [{"function": "bad"}]}) == Message(role="user")
+
+
+def test_answer_after_thinking_is_the_parsers() -> None:
+    harmony = ChatModel(parser="harmony")
+    assert pipeline.answer_after_thinking(harmony) == "<|end|><|start|>assistant<|channel|>final<|message|>"
+    assert pipeline.answer_after_thinking(ChatModel(template=QWEN3)) == ""
+    for name in parsers.names():
+        made = parsers.parser_for(name)
+        assert made is not None and isinstance(made.answer_after_thinking, str), name
+
+
+def test_one_registry_refuses_a_name_twice() -> None:
+    from daemon.chat.parsers.base import PARSERS
+    from daemon.chat.renderers.base import RENDERERS
+
+    assert parsers.names() == PARSERS.names() and renderers.names() == RENDERERS.names()
+    with pytest.raises(ValueError, match="parser 'harmony' registered twice"):
+        PARSERS.register("harmony")(type(parsers.parser_for("harmony")))
+    assert parsers.parser_for("harmony") is not parsers.parser_for("harmony")  # a fresh parser each time
