@@ -31,6 +31,7 @@ from tests.models import (
     write_gguf_with_architecture,
     write_tiny_gguf,
 )
+from tests.steps import steps
 from tests.watch import Watch
 
 SMOL = smollm2_path()
@@ -91,7 +92,6 @@ def test_huge_block_count_is_refused_without_freezing_or_inflating_the_daemon(tm
         watch = Watch(d)
         watch.start()
         time.sleep(0.3)
-        started = time.monotonic()
         with httpx.Client(base_url=d.url, timeout=180) as h:
             created = create(h, "hostile", hostile)
             asked = h.post("/api/generate", json={"model": "hostile", "prompt": "hi", "stream": False})
@@ -99,22 +99,23 @@ def test_huge_block_count_is_refused_without_freezing_or_inflating_the_daemon(tm
             chat = h.post(
                 "/api/chat", json={"model": "planted", "stream": False, "messages": [{"role": "user", "content": "hi"}]}
             )
-        elapsed = time.monotonic() - started
         time.sleep(0.3)
         watch.stop()
         grown = (watch.peak_rss - watch.base_rss) / MB
         numbers = (
             f"create={created.status_code} {created.text[:200]!r} generate={asked.status_code} "
             f"planted={planted.status_code} {planted.text[:200]!r} chat={chat.status_code} "
-            f"elapsed={elapsed:.2f}s worst_version_poll={watch.worst:.2f}s polls={watch.polls} "
+            f"worst_version_poll={watch.worst:.2f}s polls={watch.polls} "
             f"failures={watch.failures[:3]} rss_growth={grown:.0f}MB"
         )
         print(numbers)
-        assert 400 <= created.status_code < 500 and "block_count" in created.json()["error"], numbers
+        # refused by the header check itself, before anything sized by the layer count (an estimate, a load) ran:
+        # what makes this quick is shown by where it was refused, not timed
+        refused = '"llama.block_count" declares 30000000 layers; llama.cpp supports at most 512'
+        assert 400 <= created.status_code < 500 and refused in created.json()["error"], numbers
         assert 400 <= asked.status_code < 500, numbers  # it was never created
         for r in (planted, chat):
-            assert r.status_code == 400 and "block_count" in r.json()["error"], numbers
-        assert elapsed < 10, numbers
+            assert r.status_code == 400 and refused in r.json()["error"], numbers
         assert watch.worst < 2.0 and not watch.failures, numbers
         assert grown < 200, numbers
         assert httpx.get(d.url + "/api/tags").status_code == 200
@@ -143,15 +144,14 @@ def test_estimate_costs_the_tensors_not_the_declared_block_count() -> None:
         file_size=0,
     )
     tracemalloc.start()
-    started = time.monotonic()
     try:
-        est = estimate(info, num_ctx=512)
-        layers = choose_gpu_layers(info, num_ctx=512, vram_budget=1 << 40)
+        with steps(budget=20_000) as taken:  # stops a loop per declared layer at once (100M layers: minutes)
+            est = estimate(info, num_ctx=512)
+            layers = choose_gpu_layers(info, num_ctx=512, vram_budget=1 << 40)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    elapsed = time.monotonic() - started
-    assert elapsed < 0.5 and peak < 8 * MB, (elapsed, peak)
+    assert taken.lines < 20_000 and peak < 8 * MB, (taken.lines, peak)  # ~1,400 lines and a few KiB today
     assert est.ram > 0 and 0 <= layers <= 512
 
 
