@@ -14,11 +14,10 @@ import logging
 import os
 import posixpath
 import secrets
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from daemon.api.schemas import CreateRequest
 from daemon.models.catalog import Catalog, check_requires, normalise_requires
 from daemon.runners.quantize import QUANTIZABLE_SOURCES, SOURCE_ERROR, QuantizeFailed, parse_quant_type, run_worker
 from errors import InvalidDigest, InvalidGGUF, InvalidRequest, ModelNotFound, NotSupported
@@ -83,6 +82,49 @@ def check_template(template: str) -> None:
         raise InvalidRequest(f"template error: {exc}") from None
 
 
+class RoleContent(Protocol):
+    """A MESSAGE of the model being created."""
+
+    @property
+    def role(self) -> str: ...
+    @property
+    def content(self) -> str: ...
+
+
+class CreateOrder(Protocol):
+    """What a create asks for: the fields of Ollama's ``/api/create`` body that :meth:`Creator.run` reads (the HTTP
+    edge's ``daemon.api.schemas.CreateRequest`` has them; the model layer does not import the edge)."""
+
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def from_(self) -> str | None: ...
+    @property
+    def files(self) -> Mapping[str, str] | None: ...
+    @property
+    def adapters(self) -> Mapping[str, str] | None: ...
+    @property
+    def template(self) -> str | None: ...
+    @property
+    def system(self) -> str | None: ...
+    @property
+    def license(self) -> str | Sequence[str] | None: ...
+    @property
+    def parameters(self) -> Mapping[str, Any] | None: ...
+    @property
+    def messages(self) -> Sequence[RoleContent] | None: ...
+    @property
+    def quantize(self) -> str | None: ...
+    @property
+    def quantization(self) -> str | None: ...
+    @property
+    def requires(self) -> str | None: ...
+    @property
+    def renderer(self) -> str | None: ...
+    @property
+    def parser(self) -> str | None: ...
+
+
 class Creator:
     def __init__(self, catalog: Catalog, *, prune: bool) -> None:
         self.catalog = catalog
@@ -97,14 +139,14 @@ class Creator:
             with contextlib.suppress(OSError):
                 worker.kill()
 
-    def run(self, req: CreateRequest) -> Iterator[dict[str, Any]]:
+    def run(self, req: CreateOrder) -> Iterator[dict[str, Any]]:
         """Validate everything first (raising before the first progress line), then write layers and manifest."""
         plan = self._plan(req)
         return self._execute(*plan)
 
     # -- validation and planning (no writes) -------------------------------------------------------------------
     def _plan(
-        self, req: CreateRequest
+        self, req: CreateOrder
     ) -> tuple[ModelName, list[Layer], list[tuple[str, bytes]], dict[str, Any], QuantizePlan | None]:
         raw_name = req.model_name
         name = ModelName.parse(raw_name)
@@ -122,7 +164,7 @@ class Creator:
             config = {**config, "requires": normalise_requires(req.requires)}
         check_requires(config.get("requires"), raw_name, at="cannot create the model")
         for key in ("renderer", "parser"):  # RENDERER/PARSER: config fields, else inherited as REQUIRES is
-            given = getattr(req, key)
+            given = req.renderer if key == "renderer" else req.parser
             if given:
                 config = {**config, key: given}
         if req.adapters:
@@ -212,7 +254,7 @@ class Creator:
         except InvalidGGUF as exc:
             raise InvalidGGUF(f'"{filename}" is not a usable GGUF file: {exc}') from None
 
-    def _file_layers(self, files: dict[str, str]) -> tuple[list[Layer], dict[str, list[str]], GGUFInfo | None]:
+    def _file_layers(self, files: Mapping[str, str]) -> tuple[list[Layer], dict[str, list[str]], GGUFInfo | None]:
         """One layer per uploaded GGUF, typed by its header (model, projector or adapter), sorted model first;
         also the file names per media type and the model GGUF's header (None when there is none)."""
         layers: list[Layer] = []
@@ -249,7 +291,7 @@ class Creator:
         layers.sort(key=lambda layer: {MEDIA_MODEL: 0, MEDIA_PROJECTOR: 1, MEDIA_ADAPTER: 2}.get(layer.media_type, 3))
         return layers, names, model_info
 
-    def _from_files(self, files: dict[str, str]) -> tuple[list[Layer], dict[str, Any]]:
+    def _from_files(self, files: Mapping[str, str]) -> tuple[list[Layer], dict[str, Any]]:
         layers, names, model_info = self._file_layers(files)
         if model_info is None:
             projectors = names.get(MEDIA_PROJECTOR, [])
@@ -261,7 +303,7 @@ class Creator:
             raise InvalidRequest("none of the files is a GGUF model; FROM must name a GGUF model file")
         return layers, config_from_gguf(model_info)
 
-    def _with_projector(self, source: str, base: list[Layer], files: dict[str, str]) -> list[Layer]:
+    def _with_projector(self, source: str, base: list[Layer], files: Mapping[str, str]) -> list[Layer]:
         """FROM a stored model plus GGUF files: only a projector may come as a file (Ollama ignores such files
         silently; corral uses the projector and refuses anything else rather than dropping it)."""
         layers, names, _ = self._file_layers(files)
@@ -277,7 +319,7 @@ class Creator:
         at = next((i + 1 for i, layer in enumerate(kept) if layer.media_type == MEDIA_MODEL), len(kept))
         return kept[:at] + layers + kept[at:]
 
-    def _adapters(self, adapters: dict[str, str]) -> list[Layer]:
+    def _adapters(self, adapters: Mapping[str, str]) -> list[Layer]:
         if len(adapters) > 1:
             raise InvalidRequest(f"only one adapter is supported, got {len(adapters)}")
         out = []
