@@ -111,6 +111,20 @@ def wait_closed_by_peer(socks: list[socket.socket], within: float) -> tuple[int,
     return open_, time.monotonic() - started
 
 
+def still_open(socks: list[socket.socket]) -> int:
+    """How many of ``socks`` the daemon has not closed yet (looked at without reading what it sent)."""
+    left = 0
+    for s in socks:
+        s.setblocking(False)
+        try:
+            left += s.recv(1, socket.MSG_PEEK) != b""
+        except BlockingIOError:
+            left += 1  # nothing to read: open
+        except OSError:
+            pass
+    return left
+
+
 def version_within(d: Daemon, seconds: float) -> float:
     """GET /api/version on a fresh connection; returns how long it took, failing past ``seconds``."""
     started = time.monotonic()
@@ -138,12 +152,15 @@ def test_idle_and_half_sent_connections_do_not_lock_out_other_clients(tmp_path: 
         before = rss(d.proc.pid)
         socks = open_flood(address(d), idle=1000, half=200)
         flood_opened = time.monotonic()
-        took = version_within(d, 2.0)
+        took = version_within(d, HEADER_TIMEOUT)
+        # answered while the flood was held (before the header timeout let it go), not after: an order, not a time
+        held = still_open(socks)
+        assert held > len(socks) // 2, f"only {held} of {len(socks)} slow connections open when version answered"
         grown = rss(d.proc.pid) - before
         assert grown < 200 * 1024 * 1024, f"resident memory grew by {grown / 2**20:.0f} MiB"
         left, waited = wait_closed_by_peer(socks, within=HEADER_TIMEOUT + 8 - (time.monotonic() - flood_opened))
         assert left == 0, f"{left} of {len(socks)} idle or half-sent connections still open after {waited:.1f}s"
-        version_within(d, 2.0)
+        version_within(d, HEADER_TIMEOUT)
         size = d.log.stat().st_size
         assert size < 1024 * 1024, f"log grew to {size} bytes"
         print(
@@ -463,51 +480,59 @@ def request(s: socket.socket, path: str = "/", body: bytes = b"") -> bytes:
     return got
 
 
+# The timeouts below are times, so they are checked as times, but never tightly (issue 26): each is measured from
+# before the daemon's own clock starts (so a loaded machine can only make it longer, never shorter than the
+# timeout), and the upper bound is the timeout plus SLACK.
+SLACK = 8.0
+
+
 def test_header_timeout_closes_idle_and_half_sent_connections() -> None:
-    with serving(header_timeout=0.6, keep_alive=30) as addr:
+    timeout = 2.0
+    with serving(header_timeout=timeout, keep_alive=30) as addr:
+        started = time.monotonic()
         idle = socket.create_connection(addr)
         half = socket.create_connection(addr)
         half.sendall(HALF_SENT)
         trickle = socket.create_connection(addr)
         fine = socket.create_connection(addr)
-        started = time.monotonic()
         assert b" 200 " in request(fine)
-        with contextlib.suppress(OSError):
-            for ch in b"GET / HTTP/1.1\r\nHost: x\r\n":  # a byte every 50 ms: never completes in time
+        with contextlib.suppress(OSError):  # a byte every 50 ms, 4.4 s in all: never completes in time
+            for ch in b"GET / HTTP/1.1\r\nHost: x\r\nX-Trickle: " + b"t" * 60:
                 trickle.sendall(bytes([ch]))
                 time.sleep(0.05)
         for s in (idle, half, trickle):
-            assert closed_after(s, 3.0) is not None
-            assert 0.4 < time.monotonic() - started < 3.0
+            assert closed_after(s, timeout + SLACK) is not None
+            assert timeout <= time.monotonic() - started < timeout + SLACK
         # a kept-alive connection gets the same deadline for its next request head (keep-alive is 30 s here)
-        time.sleep(0.2)
+        sent = time.monotonic()
         fine.sendall(b"GET / HTTP/1.1\r\nHo")
-        took = closed_after(fine, 3.0)
-        assert took is not None and 0.4 < took < 2.0, took
+        assert closed_after(fine, timeout + SLACK) is not None
+        assert timeout <= time.monotonic() - sent < timeout + SLACK
         for s in (idle, half, trickle, fine):
             s.close()
 
 
 def test_body_trickled_too_slowly_is_cut_and_a_fast_one_is_not() -> None:
-    with serving(header_timeout=5, body_timeout=0.8, body_min_rate=1024, keep_alive=30) as addr:
+    timeout = 2.0
+    with serving(header_timeout=30, body_timeout=timeout, body_min_rate=1024, keep_alive=30) as addr:
         slow = socket.create_connection(addr)
-        slow.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")
         started = time.monotonic()
+        slow.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")
         with contextlib.suppress(OSError):
-            for _ in range(40):  # 20 bytes/s for 2 s
+            for _ in range(100):  # 20 bytes/s for up to 5 s
                 slow.sendall(b"x")
                 time.sleep(0.05)
-        assert closed_after(slow, 3.0) is not None
-        assert 0.7 < time.monotonic() - started < 4.0
+        assert closed_after(slow, timeout + SLACK) is not None
+        assert timeout <= time.monotonic() - started < timeout + SLACK
         # a body sent in pieces at a decent rate is read to the end, however long it takes in all
         fast = socket.create_connection(addr)
-        fast.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 300000\r\n\r\n")
-        for _ in range(15):
+        fast.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 500000\r\n\r\n")
+        for _ in range(25):
             fast.sendall(b"y" * 20000)
-            time.sleep(0.1)  # 200 kB/s, 1.5 s in all: longer than body_timeout
+            time.sleep(0.1)  # 200 kB/s, 2.5 s in all: longer than body_timeout
         fast.settimeout(10)
         got = b""
-        while not got.endswith(b"300000"):
+        while not got.endswith(b"500000"):
             chunk = fast.recv(65536)
             assert chunk, got
             got += chunk
@@ -517,11 +542,13 @@ def test_body_trickled_too_slowly_is_cut_and_a_fast_one_is_not() -> None:
 
 
 def test_keep_alive_timeout_closes_idle_kept_alive_connections() -> None:
-    with serving(header_timeout=30, keep_alive=0.5) as addr:
+    timeout = 2.0
+    with serving(header_timeout=30, keep_alive=timeout) as addr:
         s = socket.create_connection(addr)
+        started = time.monotonic()
         assert b" 200 " in request(s)
-        took = closed_after(s, 3.0)
-        assert took is not None and took < 1.5, took
+        assert closed_after(s, timeout + SLACK) is not None  # by the keep-alive timer: the header timeout is 30 s
+        assert timeout <= time.monotonic() - started < timeout + SLACK
         s.close()
 
 
@@ -531,7 +558,7 @@ def test_connection_cap_evicts_the_longest_idle_connection_and_refuses_when_all_
         time.sleep(0.2)
         newcomer = socket.create_connection(addr)
         assert b" 200 " in request(newcomer)  # room was made for it
-        assert closed_after(idle[0], 2.0) is not None  # the longest idle one went
+        assert closed_after(idle[0], 10.0) is not None  # the longest idle one went (before the newcomer was served)
         assert closed_after(idle[-1], 0.3) is None
         for s in [*idle, newcomer]:
             s.close()
@@ -541,7 +568,7 @@ def test_connection_cap_evicts_the_longest_idle_connection_and_refuses_when_all_
             s.sendall(b"POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
         time.sleep(0.3)
         refused = socket.create_connection(addr)
-        assert closed_after(refused, 2.0) is not None  # nothing to evict: the newcomer is turned away at once
+        assert closed_after(refused, 10.0) is not None  # nothing to evict: the newcomer is turned away at once
         for s in busy:  # and the busy ones were left alone
             s.settimeout(10)
             assert b" 200 " in s.recv(65536)
