@@ -30,6 +30,7 @@ import pytest
 from daemon.chat.pipeline import ChatModel
 from tests.conftest import Daemon, start_daemon, stop_daemon
 from tests.models import write_tiny_gguf
+from tests.steps import steps
 from tests.watch import MB, Watch
 
 CHATML = (
@@ -246,7 +247,7 @@ def test_many_distinct_request_templates_do_not_grow_the_daemon(tiny_daemon: Dae
 
 
 def test_byte_bounded_cache_keeps_total_bytes_under_its_bound() -> None:
-    from daemon.templates.prompt import ByteBoundedCache
+    from daemon.templates.cache import ByteBoundedCache
 
     made: list[str] = []
 
@@ -273,7 +274,8 @@ def test_byte_bounded_cache_keeps_total_bytes_under_its_bound() -> None:
 
 
 def test_template_caches_are_byte_bounded() -> None:
-    from daemon.templates import prompt
+    from daemon.chat.types import Message
+    from daemon.templates import jinja, prompt
 
     body = "{{1}}" * 2000  # 10 KB: estimated at 2 MB parsed, so 16 fit in the 32 MiB bound
     for i in range(60):
@@ -281,9 +283,9 @@ def test_template_caches_are_byte_bounded() -> None:
         assert prompt.GO_CACHE.size <= prompt.GO_CACHE.max_bytes
     assert 10 <= len(prompt.GO_CACHE) < 20 and f"59{body}" in prompt.GO_CACHE and f"0{body}" not in prompt.GO_CACHE
     for i in range(30):  # 50 KB each: 3.2 MB compiled, so 10 fit
-        prompt.render_messages(None, f"{i}{{{{ messages[0].content }}}}" + "x" * 50_000, HI)
-        assert prompt.JINJA_CACHE.size <= prompt.JINJA_CACHE.max_bytes
-    assert 5 <= len(prompt.JINJA_CACHE) < 30
+        prompt.render_messages(None, f"{i}{{{{ messages[0].content }}}}" + "x" * 50_000, [Message.of(m) for m in HI])
+        assert jinja.JINJA_CACHE.size <= jinja.JINJA_CACHE.max_bytes
+    assert 5 <= len(jinja.JINJA_CACHE) < 30
 
 
 # -- unit: the Go engine's bounds ------------------------------------------------------------------------------
@@ -327,9 +329,9 @@ def test_go_engine_bounds_are_named_and_tunable() -> None:
         parse("x" * (MAX_SOURCE + 1))
     # printf's padding counts against the output bound before it is built: 300 x 64 KiB would be 19.7M characters
     printf = parse('{{ printf "' + "%65536d" * 300 + '"' + " 1" * 300 + " }}")
-    err, elapsed, peak = measure(lambda: printf.execute({}))
+    err, _elapsed, peak = measure(lambda: printf.execute({}))
     assert isinstance(err, TemplateError) and "larger than" in str(err), err
-    assert elapsed < 3 and peak < 120, (elapsed, peak)
+    assert peak < 120, peak  # refused before it was built: a size, not a time (issue 26)
     # ordinary templates are untouched
     assert parse("{{ range .M }}{{ .C }};{{ end }}").execute({"M": [{"C": "a"}, {"C": "b"}]}) == "a;b;"
 
@@ -368,9 +370,10 @@ JINJA_ATTACKS = {
 
 @pytest.mark.parametrize("kind", sorted(JINJA_ATTACKS))
 def test_jinja_sandbox_stops_hostile_templates_in_time_and_memory(kind: str) -> None:
+    from daemon.chat.types import Message
     from daemon.templates.prompt import TemplateError, render_jinja
 
-    err, elapsed, peak = measure(lambda: render_jinja(JINJA_ATTACKS[kind], HI))
+    err, elapsed, peak = measure(lambda: render_jinja(JINJA_ATTACKS[kind], [Message.of(m) for m in HI]))
     print(f"{kind}: {err} in {elapsed:.2f}s, peak {peak:.0f} MB")
     assert isinstance(err, TemplateError) and str(err).startswith("chat template"), err
     assert elapsed < 3.5  # the 2 s deadline at most
@@ -378,17 +381,21 @@ def test_jinja_sandbox_stops_hostile_templates_in_time_and_memory(kind: str) -> 
 
 
 def test_jinja_bounds_leave_real_templates_alone() -> None:
+    from daemon.chat.types import Message, Tool
     from daemon.templates.prompt import render_jinja
 
-    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i} " + "w" * 200} for i in range(5000)]
-    t0 = time.monotonic()
-    out = render_jinja(CHATML, msgs)
-    assert out.count("<|im_start|>") == 5001 and time.monotonic() - t0 < 2
+    msgs = [Message(role="user" if i % 2 == 0 else "assistant", content=f"m{i} " + "w" * 200) for i in range(5000)]
+    # linear work, counted (issue 26: was < 2 s): about 8 Python lines a message and the compile, ~45,000 in all;
+    # a render that went back over the earlier messages for each one would be millions
+    with steps(budget=200_000):
+        out = render_jinja(CHATML, msgs)
+    assert out.count("<|im_start|>") == 5001
     tools = (
         "{{ tools | tojson(indent=2) }}{% for m in messages %}{{ (m.content ~ '!') | upper | center(30) }}"
         "{{ '%-5s|' % m.role }}{{ '{:>4}'.format(loop.index) }}{{ m.content.split(' ') | join(',') }}{% endfor %}"
     )
-    assert render_jinja(tools, msgs[:2], tools=[{"type": "function", "function": {"name": "f"}}]).startswith("[\n  {")
+    declared = [Tool.of({"type": "function", "function": {"name": "f"}})]
+    assert render_jinja(tools, msgs[:2], tools=declared).startswith("[\n  {")
 
 
 # -- unit: truncation by binary search -------------------------------------------------------------------------
@@ -457,12 +464,10 @@ def test_truncating_a_long_chat_takes_a_few_renders() -> None:
 
     ctx = SimpleNamespace(template=None, chat_template=CHATML, chat=ChatModel(chat_template=CHATML))
     calls: list[str] = []
-    t0 = time.monotonic()
     text = asyncio.run(render_chat(fake_lease(len, calls), ctx, long_chat(5000), None, 2000, True, None))
-    elapsed = time.monotonic() - t0
-    print(f"5001 messages into 2000 characters: {len(calls)} renders, {elapsed:.2f}s")
+    print(f"5001 messages into 2000 characters: {len(calls)} renders")
     assert len(text) <= 2000 and text.startswith("<|im_start|>system\nYou are terse.")
-    assert len(calls) <= 16 and elapsed < 5
+    assert len(calls) <= 16  # the renders counted, not timed (issue 26: was also < 5 s)
     # and the answer is the old loop's (run on the system message and the last 200: the rest goes anyway)
     msgs = long_chat(5000)
     assert text == linear_truncation(

@@ -83,9 +83,9 @@ def test_admission_counts_the_runners_backlog_and_answers_503(tmp_path: Path) ->
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(one, i) for i in range(8)]
             time.sleep(0.5)
-            started = time.monotonic()
-            assert httpx.get(d.url + "/api/version", timeout=2).status_code == 200
-            assert time.monotonic() - started < 2
+            # the daemon still answers others meanwhile: a time (a blocked event loop never answers), so a generous
+            # one (issue 26: was < 2 s)
+            assert httpx.get(d.url + "/api/version", timeout=10).status_code == 200
             results = [f.result() for f in futures]
         codes = sorted(r.status_code for r in results)
         # one runs, two wait (CORRAL_MAX_QUEUE=2), the rest are told to come back
