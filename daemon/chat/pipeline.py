@@ -150,12 +150,27 @@ def render(
 ) -> str:
     """The prompt for a chat: the model's RENDERER when it names one corral has, else its template."""
     tools = tools or None
+    messages = _without_call_ids(messages)
     if model.renderer:
         renderer = renderers.renderer_for(model.renderer)
         if renderer is not None:
             return renderer.render(prompts.tag_images(messages), tools, think)
         log.warning("no renderer named %r; using the model's template", model.renderer)
     return prompts.render_messages(model.template, model.chat_template, messages, tools=tools, think=think)
+
+
+def _without_call_ids(messages: Sequence[Message]) -> Sequence[Message]:
+    """The messages with their tool calls' ids left out: a prompt has never shown them (Ollama's message, as corral
+    has always handed it to templates and renderers, carries no call id), so the ids the OpenAI, Anthropic and
+    Responses dialects read do not change the prompt. A tool result's ``tool_call_id`` stays."""
+    if not any(c.id for m in messages for c in m.tool_calls):
+        return messages
+    return [
+        dataclasses.replace(m, tool_calls=tuple(dataclasses.replace(c, id="") for c in m.tool_calls))
+        if m.tool_calls
+        else m
+        for m in messages
+    ]
 
 
 def strip_past_thinking(model: ChatModel, messages: Sequence[Message]) -> list[Message]:
