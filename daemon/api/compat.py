@@ -13,15 +13,19 @@ import json
 import logging
 import re
 import secrets
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from daemon.api.bodies import read_body
+from daemon.api.bodies import parse_model, read_body
 from daemon.api.errors import error_headers, status_for
+from daemon.api.observe import note
+from daemon.api.schemas import KeepAliveField
 from daemon.api.streaming import LiveStream
+from daemon.generation.calls import KeepAlive
 from errors import CorralError, InvalidRequest, ModelNotFound
 
 log = logging.getLogger(__name__)
@@ -44,6 +48,22 @@ async def read_json(request: Request) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise InvalidRequest(f"request body must be a JSON object, got {type(data).__name__}")
     return data
+
+
+async def begin(request: Request) -> tuple[float, dict[str, Any], str]:
+    """What every OpenAI-style handler starts with: the time it started, its JSON body, and the model it names
+    (required; noted for the request's log line)."""
+    started = time.monotonic()
+    body = await read_json(request)
+    model = get(body, "model", "str", required=True)
+    note(model=model)
+    return started, body, model
+
+
+def keep_alive_of(body: dict[str, Any]) -> KeepAlive:
+    """``keep_alive`` checked as Ollama's bodies check it (a duration string or a number of seconds), with the same
+    error; the generation service parses it."""
+    return parse_model(KeepAliveField, {"keep_alive": body.get("keep_alive")}).keep_alive
 
 
 _KINDS: dict[str, tuple[type | tuple[type, ...], str]] = {
@@ -111,6 +131,34 @@ def stops(value: Any, param: str) -> list[str] | None:
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
         return list(value)
     raise BadParam(param, f"'{param}' must be a string or an array of strings")
+
+
+# reasoning_effort (or reasoning.effort) -> Ollama's think, as Ollama's OpenAI layer maps it: OpenAI's scale runs
+# past Ollama's at both ends, so it is clamped, not refused
+EFFORTS: dict[str, bool | str] = {
+    "none": False,
+    "minimal": "low",
+    "low": "low",
+    "medium": "medium",
+    "high": "high",
+    "max": "max",
+    "xhigh": "max",
+    "ultra": "max",
+}
+
+
+def think_of(body: dict[str, Any]) -> bool | str | None:
+    """``think`` from ``reasoning_effort`` or ``reasoning.effort``; None (the model's default) when absent."""
+    reasoning = get(body, "reasoning", "dict")
+    where = "reasoning.effort" if reasoning is not None else "reasoning_effort"
+    effort = (reasoning or {}).get("effort") if reasoning is not None else body.get("reasoning_effort")
+    if effort is None or effort == "":
+        return None
+    if effort not in EFFORTS:
+        raise BadParam(
+            where, f"invalid reasoning value {effort!r}: use none, minimal, low, medium, high, xhigh, ultra or max"
+        )
+    return EFFORTS[effort]
 
 
 # -- errors ---------------------------------------------------------------------------------------------------
@@ -194,16 +242,6 @@ def sse_event(event: str, obj: Any) -> bytes:
         + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
         + b"\n\n"
     )
-
-
-async def first_then(chunks: AsyncIterator[T]) -> tuple[T | None, AsyncIterator[T]]:
-    """Pull the first chunk so that an error before any output is still a plain error response."""
-    it = chunks.__aiter__()
-    try:
-        first = await it.__anext__()
-    except StopAsyncIteration:
-        return None, it
-    return first, it
 
 
 async def guarded(

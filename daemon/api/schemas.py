@@ -82,6 +82,13 @@ class ChatMessage(Wire):
     tool_call_id: StrictStr | None = None
 
 
+class KeepAliveField(Wire):
+    """A ``keep_alive`` alone, checked as the bodies below check it (the OpenAI-style dialects read the rest of
+    their JSON by hand)."""
+
+    keep_alive: StrictStr | int | float | None = None
+
+
 class InferenceRequest(NamedRequest):
     stream: StrictBool = True
     format: Any = None

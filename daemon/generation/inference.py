@@ -11,7 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from daemon.chat.pipeline import ChatModel
 from daemon.models.catalog import Catalog
@@ -24,6 +24,9 @@ from registry.gguf import GGUFInfo
 from registry.manifest import MEDIA_ADAPTER, MEDIA_MODEL, MEDIA_PROJECTOR
 from registry.names import ModelName
 from registry.store import StoredModel
+
+if TYPE_CHECKING:
+    from daemon.scheduling.memory import Estimate
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +135,7 @@ class Inference:
         self.shared_memory = shared_memory  # unified memory: what goes to the GPU comes out of the RAM budget too
         self.physical_cores = physical_cores
         self.default_num_ctx = default_num_ctx  # CORRAL_CONTEXT_LENGTH, or automatic by VRAM (see create_app)
-        self._estimates: dict[tuple[str, int, int, int, int, str, str], Any] = {}
+        self._estimates: dict[tuple[str, int, int, int, int, str, str], Estimate] = {}
         # model() by the name as given, with what proves it current: the store's generation and the manifest's
         # identity on disk (a manifest replaced or removed behind the daemon's back shows in its stat)
         self._models: OrderedDict[str, tuple[int, tuple[int, int, int], ModelContext]] = OrderedDict()
@@ -219,13 +222,8 @@ class Inference:
         if "num_ctx" not in model_opts and "num_ctx" not in request_opts:
             merged["num_ctx"] = self.default_num_ctx
         self._check_ranges(merged)
-        if request_options.get("logit_bias") is not None:  # OpenAI's, a corral extension in options too
-            from daemon.runners.base import parse_logit_bias
-
-            try:
-                merged["logit_bias"] = parse_logit_bias(request_options["logit_bias"])
-            except ValueError as exc:
-                raise InvalidRequest(f'option "logit_bias" {exc}') from None
+        # logit_bias (OpenAI's, a corral extension in options too) is not merged: the dialect parsed it once into
+        # the call (daemon.generation.calls.options_and_bias), and sample_params takes it from there
         return merged
 
     @staticmethod
@@ -300,7 +298,7 @@ class Inference:
 
     def _estimate(
         self, ctx: ModelContext, num_ctx: int, num_batch: int, num_parallel: int, num_gpu: int, kv_type: str = "f16"
-    ) -> Any:
+    ) -> Estimate:
         """``daemon.scheduling.memory.estimate``, remembered per model file (blobs never change) and shape:
         ``load_spec`` runs on every request and would otherwise estimate the same model several times each time
         (~0.25 ms each)."""
@@ -375,7 +373,10 @@ class Inference:
         return main, tuple(round(b / total, 6) for b in usable)
 
     @staticmethod
-    def sample_params(opts: dict[str, Any], fmt: Any = None) -> SampleParams:
+    def sample_params(
+        opts: dict[str, Any], fmt: Any = None, *, logit_bias: tuple[tuple[int, float], ...] = ()
+    ) -> SampleParams:
+        """The runner's sampling parameters from merged options, ``format`` and the call's parsed logit_bias."""
         grammar, schema = grammar_for(fmt)
         stop = opts.get("stop") or []
         if isinstance(stop, str):
@@ -397,7 +398,7 @@ class Inference:
             num_keep=int(opts["num_keep"]),
             grammar=grammar,
             json_schema=schema,
-            logit_bias=tuple(opts.get("logit_bias") or ()),
+            logit_bias=logit_bias,
         )
 
     async def acquire(self, ctx: ModelContext, spec: LoadSpec, keep_alive: float | None) -> Lease:

@@ -25,6 +25,7 @@ import pytest
 from daemon.api.bodies import BodyTooLarge
 from daemon.api.compat import anthropic_error
 from daemon.api.routes import anthropic as anth
+from daemon.chat.types import Message, ToolCall
 from daemon.llama.engine import PROMPT_TOO_LONG
 from daemon.runners.process import RunnerRequestError
 from daemon.scheduling.scheduler import QueueFull
@@ -176,14 +177,13 @@ def test_the_system_message_joins_the_system_prompt(client: anthropic.Anthropic)
     assert 0 < counts[0] < counts[1]  # the system message is in the prompt (it used to be a 400)
     # where it stands, as in Ollama: a message of its own after the user's, gathered into .System by the template
     assert anth._messages(base)[1:] == [
-        {"role": "user", "content": "<system-reminder>\nToday's date is 2026-01-01.\n</system-reminder>\n\nSay hello"},
-        {"role": "system", "content": AGENTS},
+        Message(role="user", content="<system-reminder>\nToday's date is 2026-01-01.\n</system-reminder>\n\nSay hello"),
+        Message(role="system", content=AGENTS),
     ]
     blocks = {"role": "system", "content": [{"type": "text", "text": "A", "cache_control": {"type": "ephemeral"}}]}
-    assert anth._messages({"messages": [{"role": "user", "content": "x"}, blocks]})[-1] == {
-        "role": "system",
-        "content": "A",
-    }
+    assert anth._messages({"messages": [{"role": "user", "content": "x"}, blocks]})[-1] == Message(
+        role="system", content="A"
+    )
 
 
 def second_turn() -> dict[str, Any]:
@@ -216,19 +216,18 @@ def second_turn() -> dict[str, Any]:
 def test_claude_codes_second_turn_after_a_tool_call(client: anthropic.Anthropic) -> None:
     body = second_turn()
     assert anth._messages(body)[2:] == [
-        {"role": "system", "content": AGENTS},
-        {
-            "role": "assistant",
-            "content": "",
-            "thinking": "I should read it.",
-            "tool_calls": [{"id": "toolu_01", "function": {"name": "Read", "arguments": {"target": "notes.txt"}}}],
-        },
-        {
-            "role": "tool",
-            "content": "1\tThe secret word is pineapple.\n2\t",
-            "tool_call_id": "toolu_01",
-            "tool_name": "Read",
-        },
+        Message(role="system", content=AGENTS),
+        Message(
+            role="assistant",
+            thinking="I should read it.",
+            tool_calls=(ToolCall(name="Read", arguments={"target": "notes.txt"}, id="toolu_01"),),
+        ),
+        Message(
+            role="tool",
+            content="1\tThe secret word is pineapple.\n2\t",
+            tool_call_id="toolu_01",
+            tool_name="Read",
+        ),
     ]
     first = client.beta.messages.count_tokens(
         model="smol-tools",

@@ -11,7 +11,7 @@ import pytest
 from daemon.api.compat import BadParam, get, guarded
 from daemon.api.routes import anthropic as anth
 from daemon.api.routes import openai as oai
-from daemon.chat.types import Finished
+from daemon.chat.types import Finished, Message, ToolCall
 from errors import CorralError
 
 pytestmark = pytest.mark.anyio
@@ -43,12 +43,10 @@ def test_openai_messages_translate() -> None:
         ]
     }
     system, user, assistant, tool = oai._messages(body)
-    assert system == {"role": "system", "content": "Be brief."}
-    assert user == {"role": "user", "content": "Look:", "images": ["AAAA"]}
-    assert assistant["tool_calls"] == [
-        {"id": "call_1", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
-    ]
-    assert tool == {"role": "tool", "content": "cold", "tool_call_id": "call_1", "tool_name": "get_weather"}
+    assert system == Message(role="system", content="Be brief.")
+    assert user == Message(role="user", content="Look:", images=("AAAA",))
+    assert assistant.tool_calls == (ToolCall(name="get_weather", arguments={"city": "Oslo"}, id="call_1"),)
+    assert tool == Message(role="tool", content="cold", tool_call_id="call_1", tool_name="get_weather")
 
 
 def test_openai_bad_tool_arguments_are_named() -> None:
@@ -56,10 +54,14 @@ def test_openai_bad_tool_arguments_are_named() -> None:
     with pytest.raises(BadParam) as bad:
         oai._messages(body)
     assert bad.value.param == "messages[0].tool_calls[0].function.arguments"
+    body["messages"][0]["tool_calls"][0]["function"]["arguments"] = "[1, 2]"  # JSON, but not an object
+    with pytest.raises(BadParam) as bad:
+        oai._messages(body)
+    assert bad.value.param == "messages[0].tool_calls[0].function.arguments"
 
 
 def test_openai_options() -> None:
-    assert oai._options({}) == {"temperature": 1.0, "top_p": 1.0}
+    assert oai._options({}) == ({"temperature": 1.0, "top_p": 1.0}, ())
     opts = oai._options(
         {
             "temperature": 0,
@@ -71,15 +73,24 @@ def test_openai_options() -> None:
             "options": {"num_ctx": 512, "top_p": 0.5},
         }
     )
-    assert opts == {
-        "temperature": 0,
-        "top_p": 0.5,
-        "seed": 7,
-        "num_predict": 5,
-        "stop": ["\n"],
-        "frequency_penalty": 0.5,
-        "num_ctx": 512,
-    }
+    assert opts == (
+        {
+            "temperature": 0,
+            "top_p": 0.5,
+            "seed": 7,
+            "num_predict": 5,
+            "stop": ["\n"],
+            "frequency_penalty": 0.5,
+            "num_ctx": 512,
+        },
+        (),
+    )
+    # logit_bias parsed once, out of the options: the body's own wins over one in options (a corral extension)
+    assert oai._options({"logit_bias": {"7": 5, "3": -100}, "options": {"logit_bias": {"9": 1}}})[1] == (
+        (3, -100.0),
+        (7, 5.0),
+    )
+    assert oai._options({"options": {"logit_bias": [[9, 1]]}}) == ({"temperature": 1.0, "top_p": 1.0}, ((9, 1.0),))
     with pytest.raises(BadParam) as bad:
         oai._options({"seed": 1.5})
     assert bad.value.param == "seed" and "an integer" in str(bad.value)
@@ -144,14 +155,14 @@ def test_anthropic_messages_translate() -> None:
         ],
     }
     assert anth._messages(body) == [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Weather?"},
-        {
-            "role": "assistant",
-            "content": "Checking.",
-            "tool_calls": [{"id": "toolu_1", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}],
-        },
-        {"role": "tool", "content": "cold", "tool_call_id": "toolu_1", "tool_name": "get_weather"},
+        Message(role="system", content="Be brief."),
+        Message(role="user", content="Weather?"),
+        Message(
+            role="assistant",
+            content="Checking.",
+            tool_calls=(ToolCall(name="get_weather", arguments={"city": "Oslo"}, id="toolu_1"),),
+        ),
+        Message(role="tool", content="cold", tool_call_id="toolu_1", tool_name="get_weather"),
     ]
     with pytest.raises(BadParam) as bad:
         anth._messages(

@@ -424,7 +424,7 @@ def fake_lease(count: Callable[[str], int], calls: list[str]) -> Any:
 
 @pytest.mark.parametrize("template", ["go", "jinja", "plain"])
 def test_truncation_by_binary_search_keeps_the_old_prompt(template: str) -> None:
-    from daemon.api.routes.generate import render_chat
+    from daemon.generation.fitting import render_chat
     from daemon.templates import prompt as prompts
 
     go = "{{ if .System }}[S]{{ .System }}{{ end }}{{ range .Messages }}<{{ .Role }}>{{ .Content }}{{ end }}<a>"
@@ -459,7 +459,7 @@ def test_truncation_by_binary_search_keeps_the_old_prompt(template: str) -> None
 
 
 def test_truncating_a_long_chat_takes_a_few_renders() -> None:
-    from daemon.api.routes.generate import render_chat
+    from daemon.generation.fitting import render_chat
     from daemon.templates.prompt import render_messages
 
     ctx = SimpleNamespace(template=None, chat_template=CHATML, chat=ChatModel(chat_template=CHATML))

@@ -30,23 +30,24 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from daemon.api.bodies import parse_model
 from daemon.api.compat import (
     BadParam,
     anthropic_error,
-    first_then,
     get,
     guarded,
+    keep_alive_of,
     read_json,
     shaped,
     sse_event,
     sse_response,
 )
 from daemon.api.observe import note
-from daemon.api.routes.generate import build_messages, inference, message_dict, render_chat, run_chat
-from daemon.api.schemas import ChatRequestBody
+from daemon.api.state import inference
 from daemon.chat.pipeline import call_schema
-from daemon.chat.types import Content, Event, Finished, Thinking, Tool, ToolCall, ToolCalls
+from daemon.chat.types import Content, Event, Finished, Message, Thinking, ThinkValue, Tool, ToolCall, ToolCalls
+from daemon.generation.calls import ChatCall, options_and_bias
+from daemon.generation.choices import first_then
+from daemon.generation.service import Run, count_chat_tokens, run_chat
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -89,13 +90,13 @@ def role_error(index: int, role: Any) -> BadParam:
     )
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+def _messages(body: dict[str, Any]) -> list[Message]:
+    out: list[Message] = []
     system = body.get("system")
     if system is not None:
         text = _blocks_text(system, "system")
         if text:
-            out.append({"role": "system", "content": text})
+            out.append(Message(role="system", content=text))
     raw = get(body, "messages", "list", required=True)
     if not raw:
         raise BadParam("messages", "messages: at least one message is required")
@@ -113,16 +114,16 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             # model is not Claude); the template's .System gathers every system message
             text = _blocks_text(content if content is not None else "", f"{where}.content")
             if text:
-                out.append({"role": "system", "content": text})
+                out.append(Message(role="system", content=text))
             continue
         if isinstance(content, str):
-            out.append({"role": role, "content": content})
+            out.append(Message(role=role, content=content))
             continue
         if not isinstance(content, list):
             raise BadParam(f"{where}.content", f"'{where}.content' must be a string or an array of blocks")
         texts: list[str] = []
         images: list[str] = []
-        calls: list[dict[str, Any]] = []
+        calls: list[ToolCall] = []
         thinking = ""
         for j, block in enumerate(content):
             bwhere = f"{where}.content[{j}]"
@@ -140,7 +141,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                     raise BadParam(f"{bwhere}.name", f"'{bwhere}.name' must be a string")
                 call_id = str(block.get("id") or "")
                 names[call_id] = block["name"]
-                calls.append({"id": call_id, "function": {"name": block["name"], "arguments": _input(block, bwhere)}})
+                calls.append(ToolCall(name=block["name"], arguments=_input(block, bwhere), id=call_id))
             elif kind in ("tool_result", "web_search_tool_result") and role == "user":
                 out.append(_tool_result(block, bwhere, names))
             elif kind in ("tool_use", "server_tool_use", "thinking", "redacted_thinking", "tool_result"):
@@ -148,14 +149,15 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             else:  # documents, search results, container uploads...: nothing a local chat template can show
                 log.debug("anthropic: skipping a %r block in %s (corral has no use for it)", kind, bwhere)
         if texts or images or calls or thinking:
-            msg: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
-            if thinking:
-                msg["thinking"] = thinking
-            if images:
-                msg["images"] = images
-            if calls:
-                msg["tool_calls"] = calls
-            out.append(msg)
+            out.append(
+                Message(
+                    role=role,
+                    content="\n".join(texts),
+                    thinking=thinking,
+                    images=tuple(images),
+                    tool_calls=tuple(calls),
+                )
+            )
     return out
 
 
@@ -166,7 +168,7 @@ def _image(block: dict[str, Any], where: str) -> str:
     return str(src["data"])
 
 
-def _tool_result(block: dict[str, Any], where: str, names: dict[str, str]) -> dict[str, Any]:
+def _tool_result(block: dict[str, Any], where: str, names: dict[str, str]) -> Message:
     """A tool message from a ``tool_result`` (its text blocks joined, its images kept, as Ollama does) or from a
     ``web_search_tool_result`` (its results as lines of title and address)."""
     result = block.get("content")
@@ -193,12 +195,13 @@ def _tool_result(block: dict[str, Any], where: str, names: dict[str, str]) -> di
     elif result is not None:
         raise BadParam(f"{where}.content", f"'{where}.content' must be a string or an array of blocks")
     call_id = str(block.get("tool_use_id") or "")
-    tool: dict[str, Any] = {"role": "tool", "content": "\n".join(texts), "tool_call_id": call_id}
-    if images:
-        tool["images"] = images
-    if call_id in names:
-        tool["tool_name"] = names[call_id]
-    return tool
+    return Message(
+        role="tool",
+        content="\n".join(texts),
+        images=tuple(images),
+        tool_name=names.get(call_id, ""),
+        tool_call_id=call_id,
+    )
 
 
 def _input(block: dict[str, Any], where: str) -> dict[str, Any]:
@@ -303,21 +306,20 @@ def _think(body: dict[str, Any]) -> bool | str | None:
     raise BadParam("thinking.type", f"'thinking.type' must be enabled, adaptive or disabled, got {kind!r}")
 
 
-def _chat_request(body: dict[str, Any], *, stream: bool, think: bool | str | None = None) -> ChatRequestBody:
+def _chat_call(body: dict[str, Any], *, think: ThinkValue = None) -> ChatCall:
     model = get(body, "model", "str", required=True)
     tools, forced = _tools(body)
-    return parse_model(
-        ChatRequestBody,
-        {
-            "model": model,
-            "messages": _messages(body),
-            "options": _options(body),
-            "tools": tools,
-            "format": forced,
-            "think": think,
-            "stream": stream,
-            "keep_alive": body.get("keep_alive"),
-        },
+    messages = _messages(body)
+    options, bias = options_and_bias(_options(body))
+    return ChatCall(
+        model=model,
+        messages=tuple(messages),
+        options=options,
+        tools=tuple(Tool.of(t) for t in tools or ()),
+        format=forced,
+        think=think,
+        keep_alive=keep_alive_of(body),
+        logit_bias=bias,
     )
 
 
@@ -348,16 +350,16 @@ async def messages(request: Request) -> Response:
     body = await read_json(request)
     note(model=body.get("model") if isinstance(body.get("model"), str) else "")
     stream = bool(get(body, "stream", "bool"))
-    req = _chat_request(body, stream=stream, think=_think(body))
+    call = _chat_call(body, think=_think(body))
     # as Ollama: Claude Code asks every model to think; a model that cannot is not refused
-    _, run = await run_chat(inference(request), req, started, count_prompt=stream, relax_think=True)
-    assert run is not None  # messages are never empty here
+    run = await run_chat(inference(request), call, started, count_prompt=stream, relax_think=True)
+    assert isinstance(run, Run)  # messages are never empty here
     first, rest = await first_then(run)
     mid = f"msg_{secrets.token_hex(12)}"
     if not stream:
-        return JSONResponse(await _whole(first, rest, mid, req.model_name))
+        return JSONResponse(await _whole(first, rest, mid, call.model))
     return sse_response(
-        guarded(_events(first, rest, mid, req.model_name, await run.prompt_count() or 0), rest, _error_event)
+        guarded(_events(first, rest, mid, call.model, await run.prompt_count() or 0), rest, _error_event)
     )
 
 
@@ -484,14 +486,4 @@ async def count_tokens(request: Request) -> Response:
     body = await read_json(request)
     note(model=body.get("model") if isinstance(body.get("model"), str) else "")
     body.setdefault("max_tokens", 1)
-    req = _chat_request(body, stream=False)
-    inf = inference(request)
-    ctx = await inf.lookup(req.model_name)
-    opts = inf.options(ctx, req.options)
-    spec = inf.load_spec(ctx, opts)
-    msgs = [message_dict(m) for m in req.messages]
-    async with await inf.acquire(ctx, spec, None) as lease:
-        tools = [Tool.of(t) for t in req.tools or ()]
-        text = await render_chat(lease, ctx, build_messages(ctx, msgs), tools, spec.num_ctx, False, None)
-        tokens = await lease.runner.tokenize(text)
-    return JSONResponse({"input_tokens": len(tokens)})
+    return JSONResponse({"input_tokens": await count_chat_tokens(inference(request), _chat_call(body))})

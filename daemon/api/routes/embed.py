@@ -11,52 +11,12 @@ from fastapi import APIRouter, Request
 from daemon.api.bodies import read_model
 from daemon.api.observe import note
 from daemon.api.schemas import EmbeddingsRequestBody, EmbedRequestBody
-from daemon.generation.inference import Inference, keep_alive_value, normalise
-from errors import InvalidRequest, ModelNotFound
+from daemon.api.state import inference
+from daemon.generation.embed import run_embed
+from daemon.generation.inference import keep_alive_value
+from errors import InvalidRequest
 
 router = APIRouter()
-
-
-def inference(request: Request) -> Inference:
-    return request.app.state.inference
-
-
-async def run_embed(inf: Inference, req: EmbedRequestBody, started: float) -> dict[str, Any]:
-    """Ollama's ``/api/embed`` result for ``req`` (shared with ``/v1/embeddings``)."""
-    note(model=req.model_name)
-    if not req.model_name:
-        raise ModelNotFound("")
-    inputs: list[str]
-    if req.input is None or req.input == "":
-        inputs = []
-    elif isinstance(req.input, str):
-        inputs = [req.input]
-    elif isinstance(req.input, list) and all(isinstance(x, str) for x in req.input):
-        inputs = list(req.input)
-    else:
-        raise InvalidRequest("invalid input type")
-    if req.dimensions is not None and req.dimensions < 0:
-        raise InvalidRequest(f"dimensions must not be negative, got {req.dimensions}")
-    ctx = await inf.lookup(req.model_name)
-    opts = inf.options(ctx, req.options)
-    spec = inf.load_spec(ctx, opts, embedding=True)
-    async with await inf.acquire(ctx, spec, keep_alive_value(req.keep_alive)) as lease:
-        if not inputs:
-            return {"model": req.model_name, "embeddings": []}
-        result = await lease.call(lambda runner: runner.embed(inputs, truncate=req.truncate))
-    vectors = []
-    for vec in result.vectors:
-        v = normalise(vec)
-        if req.dimensions and 0 < req.dimensions < len(v):
-            v = normalise(v[: req.dimensions])
-        vectors.append(v)
-    return {
-        "model": req.model_name,
-        "embeddings": vectors,
-        "total_duration": int((time.monotonic() - started) * 1e9),
-        "load_duration": int(lease.load_duration * 1e9),
-        "prompt_eval_count": result.prompt_eval_count,
-    }
 
 
 @router.post("/api/embed")

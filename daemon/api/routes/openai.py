@@ -14,13 +14,12 @@ corral cannot honour (audio, prediction, web_search_options, functions...) is re
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import secrets
 import struct
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -29,24 +28,38 @@ from fastapi.responses import JSONResponse
 from daemon.api.bodies import parse_model
 from daemon.api.compat import (
     BadParam,
-    first_then,
+    begin,
     get,
     guarded,
+    keep_alive_of,
     openai_error,
-    read_json,
     shaped,
     sse_data,
     sse_response,
     stops,
+    think_of,
 )
 from daemon.api.observe import note
-from daemon.api.routes.embed import run_embed
-from daemon.api.routes.generate import inference, run_chat, run_generate
-from daemon.api.schemas import ChatRequestBody, EmbedRequestBody, GenerateRequestBody
+from daemon.api.schemas import EmbedRequestBody
+from daemon.api.state import inference
 from daemon.chat import pipeline
-from daemon.chat.types import Content, Event, Finished, Thinking, ToolCall, ToolCalls
+from daemon.chat.types import (
+    Content,
+    Event,
+    Finished,
+    JSONObject,
+    JSONValue,
+    Message,
+    Thinking,
+    Tool,
+    ToolCall,
+    ToolCalls,
+)
+from daemon.generation.calls import ChatCall, GenerateCall, LogitBias, options_and_bias
+from daemon.generation.choices import chat_choices, generate_choices
+from daemon.generation.embed import run_embed
 from daemon.runners.base import parse_logit_bias
-from errors import CorralError, InvalidRequest
+from errors import CorralError
 
 router = APIRouter()
 FINGERPRINT = "fp_corral"
@@ -57,10 +70,11 @@ def _id(prefix: str) -> str:
 
 
 # -- request translation --------------------------------------------------------------------------------------
-def _options(body: dict[str, Any]) -> dict[str, Any]:
-    """Ollama options from an OpenAI body: defaults of 1.0, then ``options``, then the named OpenAI fields."""
+def _options(body: dict[str, Any]) -> tuple[JSONObject, LogitBias]:
+    """Ollama options from an OpenAI body: defaults of 1.0, then ``options``, then the named OpenAI fields; and
+    the logit_bias, parsed once: the body's own, else one in ``options`` (a corral extension)."""
     _unsupported(body)
-    opts: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0}
+    opts: JSONObject = {"temperature": 1.0, "top_p": 1.0}
     extra = get(body, "options", "dict")
     if extra:
         opts.update(extra)
@@ -81,11 +95,10 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
         opts["num_predict"] = limit
     stop = stops(body.get("stop"), "stop")
     if stop:
-        opts["stop"] = stop
+        opts["stop"] = list[JSONValue](stop)
     bias = _logit_bias(body)
-    if bias:
-        opts["logit_bias"] = [list(pair) for pair in bias]
-    return opts
+    opts, in_options = options_and_bias(opts)
+    return opts, bias or in_options
 
 
 MAX_CHOICES = 16  # n's bound: OpenAI allows 128, but each choice takes one of the runner's sequence slots
@@ -141,14 +154,6 @@ def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
         raise BadParam("logit_bias", f"'logit_bias' {exc}") from None
 
 
-def _for_choice(opts: dict[str, Any], i: int) -> dict[str, Any]:
-    """Choice ``i``'s options: with a fixed seed, seed + i, so the choices differ yet are reproducible."""
-    seed = opts.get("seed")
-    if i == 0 or isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        return opts
-    return {**opts, "seed": (seed + i) % (1 << 63)}
-
-
 def _content_text(content: Any, where: str) -> tuple[str, list[str]]:
     """Text and images (base64) from a message's content: a string or an array of parts."""
     if content is None:
@@ -178,11 +183,11 @@ def _content_text(content: Any, where: str) -> tuple[str, list[str]]:
     return "\n".join(texts), images
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def _messages(body: dict[str, Any]) -> list[Message]:
     raw = get(body, "messages", "list", required=True)
     if not raw:
         raise BadParam("messages", "'messages' must contain at least one message")
-    out: list[dict[str, Any]] = []
+    out: list[Message] = []
     names: dict[str, str] = {}  # tool call id -> function name, for tool messages that give only the id
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
@@ -202,27 +207,32 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 f"'{where}.content' is required (it may be null only in an assistant message with tool_calls)",
             )
         text, images = _content_text(m.get("content"), f"{where}.content")
-        msg: dict[str, Any] = {"role": role, "content": text}
         reasoning = m.get("reasoning") if m.get("reasoning") is not None else m.get("reasoning_content")
-        if role == "assistant" and isinstance(reasoning, str) and reasoning:
-            msg["thinking"] = reasoning  # Ollama's field (and DeepSeek's reasoning_content): past thinking
-        if images:
-            msg["images"] = images
-        if calls:
-            msg["tool_calls"] = [_ollama_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
-            names.update({c["id"]: c["function"]["name"] for c in msg["tool_calls"] if "id" in c})
+        # Ollama's thinking field (and DeepSeek's reasoning_content): past thinking
+        thinking = reasoning if role == "assistant" and isinstance(reasoning, str) else ""
+        tool_calls = tuple(_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls or ()))
+        for c, t in zip(calls or (), tool_calls, strict=True):
+            if isinstance(c.get("id"), str):
+                names[c["id"]] = t.name
+        call_id, name = "", ""
         if role == "tool":
-            call_id = get(m, "tool_call_id", "str", where=f"{where}.")
-            name = get(m, "name", "str", where=f"{where}.") or names.get(call_id or "")
-            if call_id:
-                msg["tool_call_id"] = call_id
-            if name:
-                msg["tool_name"] = name
-        out.append(msg)
+            call_id = get(m, "tool_call_id", "str", where=f"{where}.") or ""
+            name = get(m, "name", "str", where=f"{where}.") or names.get(call_id) or ""
+        out.append(
+            Message(
+                role=role,
+                content=text,
+                thinking=thinking,
+                images=tuple(images),
+                tool_calls=tool_calls,
+                tool_name=name,
+                tool_call_id=call_id,
+            )
+        )
     return out
 
 
-def _ollama_call(call: Any, where: str) -> dict[str, Any]:
+def _tool_call(call: Any, where: str) -> ToolCall:
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise BadParam(where, f"'{where}' must have a function with a name")
@@ -232,10 +242,9 @@ def _ollama_call(call: Any, where: str) -> dict[str, Any]:
             args = json.loads(args)
         except ValueError:
             raise BadParam(f"{where}.function.arguments", "tool call arguments must be a JSON object string") from None
-    out: dict[str, Any] = {"function": {"name": fn["name"], "arguments": args}}
-    if isinstance(call.get("id"), str):
-        out["id"] = call["id"]
-    return out
+    if not isinstance(args, dict):
+        raise BadParam(f"{where}.function.arguments", "tool call arguments must be a JSON object string")
+    return ToolCall(name=fn["name"], arguments=args, id=call["id"] if isinstance(call.get("id"), str) else "")
 
 
 def _format(body: dict[str, Any]) -> Any:
@@ -313,34 +322,6 @@ def _openai_calls(calls: list[ToolCall], *, with_index: bool = False) -> list[di
     return out
 
 
-# reasoning_effort (or reasoning.effort) -> Ollama's think, as Ollama's OpenAI layer maps it: OpenAI's scale runs
-# past Ollama's at both ends, so it is clamped, not refused
-EFFORTS: dict[str, bool | str] = {
-    "none": False,
-    "minimal": "low",
-    "low": "low",
-    "medium": "medium",
-    "high": "high",
-    "max": "max",
-    "xhigh": "max",
-    "ultra": "max",
-}
-
-
-def think_of(body: dict[str, Any]) -> bool | str | None:
-    """``think`` from ``reasoning_effort`` or ``reasoning.effort``; None (the model's default) when absent."""
-    reasoning = get(body, "reasoning", "dict")
-    where = "reasoning.effort" if reasoning is not None else "reasoning_effort"
-    effort = (reasoning or {}).get("effort") if reasoning is not None else body.get("reasoning_effort")
-    if effort is None or effort == "":
-        return None
-    if effort not in EFFORTS:
-        raise BadParam(
-            where, f"invalid reasoning value {effort!r}: use none, minimal, low, medium, high, xhigh, ultra or max"
-        )
-    return EFFORTS[effort]
-
-
 def _openai_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "content": [
@@ -401,82 +382,6 @@ def openai_stream(frames: AsyncGenerator[bytes, None], rest: AsyncIterator[Any])
     )
 
 
-# -- several choices ------------------------------------------------------------------------------------------
-Chunks = AsyncIterator[Event]
-Started = tuple[Event | None, Chunks]  # a choice's first chunk (None: no output) and the rest
-
-
-async def _start_choices(n: int, run: Callable[[int], Awaitable[Chunks]]) -> list[Started]:
-    """Start ``n`` generations of one prompt (``run(i)`` starts choice i) and pull each one's first chunk, so that
-    an error before any output is still a plain error answer. Choice 0 is set up first (it loads the model when
-    needed); then all of them run at once, as sequences that the runner decodes side by side. If one fails,
-    those started are closed and its error raised."""
-    chunks0 = await run(0)
-
-    async def one(i: int) -> Started:
-        chunks = chunks0 if i == 0 else await run(i)
-        try:
-            return await first_then(chunks)
-        except CorralError as exc:
-            if "logit_bias" in str(exc):  # the runner's check of the ids against the vocabulary
-                exc.param = "logit_bias"  # type: ignore[attr-defined]
-            raise
-
-    if n == 1:
-        return [await one(0)]
-    results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
-    failed = [r for r in results if isinstance(r, BaseException)]
-    if failed:
-        for r in results:
-            if not isinstance(r, BaseException):
-                await r[1].aclose()  # type: ignore[attr-defined]
-        raise failed[0]
-    return results  # type: ignore[return-value]
-
-
-async def _merged(started: list[Started]) -> AsyncGenerator[tuple[int, Event], None]:
-    """Every choice's chunks as ``(index, chunk)``, in the order they come; closing it stops every choice."""
-    if len(started) == 1:
-        first, rest = started[0]
-        try:
-            chunk = first
-            while chunk is not None:
-                yield 0, chunk
-                chunk = await anext(rest, None)
-        finally:
-            await rest.aclose()  # type: ignore[attr-defined]
-        return
-    queue: asyncio.Queue[tuple[int, Event | None, BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, chunk: Event | None, rest: Chunks) -> None:
-        try:
-            while chunk is not None:
-                queue.put_nowait((i, chunk, None))
-                chunk = await anext(rest, None)
-        except Exception as exc:  # noqa: BLE001 - handed to the reader
-            queue.put_nowait((i, None, exc))
-            return
-        queue.put_nowait((i, None, None))
-
-    tasks = [asyncio.create_task(pump(i, first, rest)) for i, (first, rest) in enumerate(started)]
-    try:
-        running = len(tasks)
-        while running:
-            i, chunk, error = await queue.get()
-            if error is not None:
-                raise error
-            if chunk is None:
-                running -= 1
-                continue
-            yield i, chunk
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for _, rest in started:
-            await rest.aclose()  # type: ignore[attr-defined]
-
-
 def _usage_of(finals: list[Finished | None]) -> dict[str, Any]:
     """Usage over every choice: the prompt counted once, the completion tokens of all choices summed."""
     usage = _usage(finals[0])
@@ -486,16 +391,19 @@ def _usage_of(finals: list[Finished | None]) -> dict[str, Any]:
     return usage
 
 
+def _blame_logit_bias(exc: CorralError) -> None:
+    """The runner's check of logit_bias's ids against the vocabulary names the parameter (OpenAI's ``param``)."""
+    if "logit_bias" in str(exc):
+        exc.param = "logit_bias"  # type: ignore[attr-defined]
+
+
 # -- /v1/chat/completions -------------------------------------------------------------------------------------
 @router.post("/v1/chat/completions")
 @shaped(openai_error)
 async def chat_completions(request: Request) -> Response:
-    started = time.monotonic()
-    body = await read_json(request)
-    model = get(body, "model", "str", required=True)
-    note(model=model)
+    started, body, model = await begin(request)
     messages = _messages(body)
-    opts = _options(body)
+    opts, bias = _options(body)
     tools, forced = _tools(body)
     fmt = forced if forced is not None else _format(body)
     want_logprobs, top = _logprob_request(body)
@@ -503,37 +411,22 @@ async def chat_completions(request: Request) -> Response:
     include_usage = bool((get(body, "stream_options", "dict") or {}).get("include_usage"))
     n = _choice_count(body)
     one_call = get(body, "parallel_tool_calls", "bool") is False  # at most one tool call per choice
-    think = think_of(body)
-
-    def chat_request(i: int) -> ChatRequestBody:
-        return parse_model(
-            ChatRequestBody,
-            {
-                "model": model,
-                "messages": messages,
-                "options": _for_choice(opts, i),
-                "format": fmt,
-                "tools": tools,
-                "stream": stream,
-                "logprobs": want_logprobs,
-                "top_logprobs": top,
-                "keep_alive": body.get("keep_alive"),
-                "think": think,
-            },
-        )
-
-    req = chat_request(0)
-
-    async def run(i: int) -> Chunks:
-        # as Ollama: an effort asked of a model that cannot think is ignored
-        final, chunks = await run_chat(
-            inference(request), req if i == 0 else chat_request(i), started, relax_think=True
-        )
-        if chunks is None:
-            raise InvalidRequest("'messages' must contain at least one message")
-        return chunks
-
-    choices = _merged(await _start_choices(n, run))
+    call = ChatCall(
+        model=model,
+        messages=tuple(messages),
+        tools=tuple(Tool.of(t) for t in tools or ()),
+        options=opts,
+        format=fmt,
+        logprobs=want_logprobs,
+        top_logprobs=top,
+        keep_alive=keep_alive_of(body),
+        think=think_of(body),
+        logit_bias=bias,
+    )
+    # as Ollama: an effort asked of a model that cannot think is ignored (relax_think)
+    choices = await chat_choices(
+        inference(request), call, n, started, relax_think=True, on_first_error=_blame_logit_bias
+    )
     cid, created = _id("chatcmpl"), int(time.time())
     if not stream:
         return JSONResponse(await _chat_whole(choices, n, cid, created, model, want_logprobs, one_call))
@@ -666,10 +559,7 @@ async def _chat_events(
 @router.post("/v1/completions")
 @shaped(openai_error)
 async def completions(request: Request) -> Response:
-    started = time.monotonic()
-    body = await read_json(request)
-    model = get(body, "model", "str", required=True)
-    note(model=model)
+    started, body, model = await begin(request)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -687,33 +577,19 @@ async def completions(request: Request) -> Response:
             "'best_of' above 'n' is not supported: corral returns every choice it generates; "
             "ask for n choices (each with its logprobs if you want them) and pick yourself",
         )
-    opts = _options(body)
-
-    def generate_request(i: int) -> GenerateRequestBody:
-        return parse_model(
-            GenerateRequestBody,
-            {
-                "model": model,
-                "prompt": prompt,
-                "suffix": get(body, "suffix", "str") or "",
-                "options": _for_choice(opts, i),
-                "stream": stream,
-                "raw": bool(get(body, "raw", "bool")),
-                "keep_alive": body.get("keep_alive"),
-                "logprobs": top is not None,
-                "top_logprobs": top or 0,
-            },
-        )
-
-    req = generate_request(0)
-
-    async def run(i: int) -> Chunks:
-        final, chunks = await run_generate(inference(request), req if i == 0 else generate_request(i), started)
-        if chunks is None:  # an empty prompt only loads the model
-            return _single(Finished(done_reason=(final or {}).get("done_reason") or "load"))
-        return chunks
-
-    choices = _merged(await _start_choices(n, run))
+    opts, bias = _options(body)
+    call = GenerateCall(
+        model=model,
+        prompt=prompt,
+        suffix=get(body, "suffix", "str") or "",
+        options=opts,
+        raw=bool(get(body, "raw", "bool")),
+        keep_alive=keep_alive_of(body),
+        logprobs=top is not None,
+        top_logprobs=top or 0,
+        logit_bias=bias,
+    )
+    choices = await generate_choices(inference(request), call, n, started, on_first_error=_blame_logit_bias)
     out = _Completion(model, prompt if echo else "", top is not None, n)
     if not stream:
         return JSONResponse(await out.whole(choices))
@@ -779,18 +655,11 @@ class _Completion:
             )
 
 
-async def _single(final: Event) -> AsyncIterator[Event]:
-    yield final
-
-
 # -- /v1/embeddings -------------------------------------------------------------------------------------------
 @router.post("/v1/embeddings")
 @shaped(openai_error)
 async def embeddings(request: Request) -> Response:
-    started = time.monotonic()
-    body = await read_json(request)
-    model = get(body, "model", "str", required=True)
-    note(model=model)
+    started, body, model = await begin(request)
     raw = body.get("input")
     if isinstance(raw, str):
         inputs = [raw]

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 
 from daemon.api.bodies import read_body
 from daemon.api.compat import BadParam, get, openai_error, read_json, shaped
-from daemon.api.routes.generate import inference
+from daemon.api.state import inference
 from daemon.generation.inference import Inference, ModelContext, keep_alive_value
 from daemon.runners.base import LoadSpec
 from errors import InvalidRequest

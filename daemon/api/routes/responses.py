@@ -33,6 +33,7 @@ streams are OpenAI's typed events, each with ``type`` and an increasing ``sequen
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import secrets
@@ -43,24 +44,24 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from daemon.api.bodies import parse_model
 from daemon.api.compat import (
     BadParam,
-    first_then,
+    begin,
     get,
     guarded,
+    keep_alive_of,
     openai_error,
-    read_json,
     shaped,
     sse_event,
     sse_response,
+    think_of,
 )
-from daemon.api.observe import note
-from daemon.api.routes.generate import inference, run_chat
-from daemon.api.routes.openai import think_of
-from daemon.api.schemas import ChatRequestBody
+from daemon.api.state import inference
 from daemon.chat.pipeline import call_schema
-from daemon.chat.types import Content, Event, Finished, Thinking, ToolCall, ToolCalls
+from daemon.chat.types import Content, Event, Finished, Message, Thinking, Tool, ToolCall, ToolCalls
+from daemon.generation.calls import ChatCall, options_and_bias
+from daemon.generation.choices import first_then
+from daemon.generation.service import Run, run_chat
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -184,14 +185,14 @@ def _arguments(value: Any, where: str) -> dict[str, Any]:
     return parsed
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+def _messages(body: dict[str, Any]) -> list[Message]:
+    out: list[Message] = []
     instructions = get(body, "instructions", "str")
     if instructions:
-        out.append({"role": "system", "content": instructions})
+        out.append(Message(role="system", content=instructions))
     raw = body.get("input")
     if isinstance(raw, str):
-        out.append({"role": "user", "content": raw})
+        out.append(Message(role="user", content=raw))
         return out
     if not isinstance(raw, list):
         raise BadParam("input", "'input' must be a string or an array of input items")
@@ -212,15 +213,13 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             text, images = _parts(item.get("content"), f"{where}.content")
             nxt = raw[i + 1] if i + 1 < len(raw) else None
             answered = isinstance(nxt, dict) and nxt.get("type") == "function_call_output"
-            if role == "assistant" and answered and last and last["role"] == "assistant" and last.get("tool_calls"):
+            if role == "assistant" and answered and last and last.role == "assistant" and last.tool_calls:
                 # an assistant message replayed between a call and its output stays in the calling turn
-                last["content"] = "\n".join(t for t in (last["content"], text) if t)
+                out[-1] = dataclasses.replace(last, content="\n".join(t for t in (last.content, text) if t))
                 continue
-            msg: dict[str, Any] = {"role": role, "content": text}
-            if images:
-                msg["images"] = images
+            msg = Message(role=role, content=text, images=tuple(images))
             if role == "assistant" and thinking:
-                msg["thinking"], thinking = thinking, ""
+                msg, thinking = dataclasses.replace(msg, thinking=thinking), ""
             out.append(msg)
         elif kind == "function_call":
             name = item.get("name")
@@ -233,22 +232,25 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 name = flat_name(ns, name)
             call_id = str(item.get("call_id") or item.get("id") or "")
             names[call_id] = name
-            call = {"id": call_id, "function": {"name": name, "arguments": _arguments(item.get("arguments"), where)}}
-            if last and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
+            call = ToolCall(name=name, arguments=_arguments(item.get("arguments"), where), id=call_id)
+            if last and last.role == "assistant":
+                out[-1] = dataclasses.replace(last, tool_calls=(*last.tool_calls, call))
             else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                out.append(Message(role="assistant", tool_calls=(call,)))
             if thinking:
-                out[-1]["thinking"], thinking = thinking, ""
+                out[-1], thinking = dataclasses.replace(out[-1], thinking=thinking), ""
         elif kind == "function_call_output":
             call_id = str(item.get("call_id") or "")
             text, images = _parts(item.get("output"), f"{where}.output")
-            tool: dict[str, Any] = {"role": "tool", "content": text, "tool_call_id": call_id}
-            if call_id in names:
-                tool["tool_name"] = names[call_id]
-            if images:
-                tool["images"] = images
-            out.append(tool)
+            out.append(
+                Message(
+                    role="tool",
+                    content=text,
+                    images=tuple(images),
+                    tool_name=names.get(call_id, ""),
+                    tool_call_id=call_id,
+                )
+            )
         elif kind == "reasoning":
             summary = item.get("summary") or []
             thinking = "".join(s.get("text") or "" for s in summary if isinstance(s, dict))
@@ -260,7 +262,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             )
         else:
             raise BadParam(f"{where}.type", f"unsupported input item type {kind!r}")
-    if not any(m["role"] != "system" for m in out):
+    if not any(m.role != "system" for m in out):
         raise BadParam("input", "'input' must contain at least one message")
     return out
 
@@ -672,33 +674,28 @@ class _Reply:
 @router.post("/v1/responses")
 @shaped(openai_error)
 async def responses(request: Request) -> Response:
-    started = time.monotonic()
-    body = await read_json(request)
-    model = get(body, "model", "str", required=True)
-    note(model=model)
+    started, body, model = await begin(request)
     _refuse_unsupported(body)
     _check_hints(body)
     messages = _messages(body)
     tools = Tools(body)
     want_logprobs, top = _logprob_request(body)
     stream = bool(get(body, "stream", "bool"))
-    req = parse_model(
-        ChatRequestBody,
-        {
-            "model": model,
-            "messages": messages,
-            "options": _options(body),
-            "tools": tools.offered or None,
-            "format": tools.forced if tools.forced is not None else _format(body),
-            "think": think_of(body),  # reasoning.effort, mapped as in /v1/chat/completions
-            "stream": stream,
-            "logprobs": want_logprobs,
-            "top_logprobs": top,
-            "keep_alive": body.get("keep_alive"),
-        },
+    options, bias = options_and_bias(_options(body))
+    call = ChatCall(
+        model=model,
+        messages=tuple(messages),
+        options=options,
+        tools=tuple(Tool.of(t) for t in tools.offered),
+        format=tools.forced if tools.forced is not None else _format(body),
+        think=think_of(body),  # reasoning.effort, mapped as in /v1/chat/completions
+        logprobs=want_logprobs,
+        top_logprobs=top,
+        keep_alive=keep_alive_of(body),
+        logit_bias=bias,
     )
-    _, run = await run_chat(inference(request), req, started, relax_think=True)
-    assert run is not None  # messages are never empty here
+    run = await run_chat(inference(request), call, started, relax_think=True)
+    assert isinstance(run, Run)  # messages are never empty here
     first, rest = await first_then(run)  # an error before any output is still a plain error answer
     one_call = get(body, "parallel_tool_calls", "bool") is False
     reply = _Reply(body, model, want_logprobs, one_call, tools.namespaced)
