@@ -19,6 +19,7 @@ import pytest
 from daemon.settings import Settings, SettingsError
 from modelfile import DEFAULT_OPTIONS, parse
 from registry.digest import Digest
+from registry.download import Downloads
 from registry.manifest import CONFIG_MEDIA_TYPE, Layer, Manifest
 from registry.names import ModelName
 from registry.store import Store
@@ -339,42 +340,47 @@ def test_pull_bandwidth_setting() -> None:
         Settings.from_env({"CORRAL_PULL_BANDWIDTH": "fast"})
 
 
-def _timed_pull(tmp_path: Path, bandwidth: int, name: str) -> float:
+def _timed_pull(tmp_path: Path, bandwidth: int, name: str) -> tuple[float, Downloads]:
     from registry.download import Downloads, Tuning
     from registry.pull import Puller
     from tests.registry_pull.fake_registry import MODEL_TYPE, FakeRegistry, Holder, ServerThread
 
     registry = FakeRegistry()
-    data = os.urandom(2 * MB)
+    data = os.urandom(3 * MB)
     registry.add_model("ns/m", "latest", [(MODEL_TYPE, data)])
     store = Store(tmp_path / name)
     tuning = Tuning(streams=4, part_size=256 * 1024, backoff=0.01)  # parallel parts share the one cap
+    downloads = Downloads(bandwidth=bandwidth)
     with ServerThread(Holder(registry)) as server:
         started = time.monotonic()
         lines = list(
-            Puller(store, Downloads(bandwidth=bandwidth), threading.RLock(), prune=True, tuning=tuning).run(
+            Puller(store, downloads, threading.RLock(), prune=True, tuning=tuning).run(
                 f"{server.host}/ns/m", insecure=True
             )
         )
         took = time.monotonic() - started
     assert lines[-1] == {"status": "success"}
     assert store.blob_path(Digest(hashlib.sha256(data).hexdigest())).read_bytes() == data
-    return took
+    return took, downloads
 
 
 def test_pull_bandwidth_caps_all_parts_together(tmp_path: Path) -> None:
-    assert _timed_pull(tmp_path, 0, "unlimited") < 1.5
-    assert _timed_pull(tmp_path, 1 * MB, "capped") >= 1.8
+    # a rate is a time, so the cap is checked as one: from below only, which a loaded machine cannot break, and
+    # over 2 s (issue 26). Uncapped, nothing waits: there is no bucket (was: the pull takes < 1.5 s).
+    assert _timed_pull(tmp_path, 0, "unlimited")[1].limiter is None
+    took, _ = _timed_pull(tmp_path, 1 * MB, "capped")
+    assert took >= 2.5, took  # 3 MB at 1 MB/s in all, whatever the number of parts at once
 
 
 def test_one_bucket_serves_concurrent_takers() -> None:
     from registry.download import Bandwidth
 
-    bucket = Bandwidth(4 * MB)
+    bucket = Bandwidth(1 * MB)
     started = time.monotonic()
-    threads = [threading.Thread(target=lambda: [bucket.take(100_000) for _ in range(10)]) for _ in range(4)]
+    threads = [threading.Thread(target=lambda: [bucket.take(100_000) for _ in range(6)]) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert time.monotonic() - started >= 0.9  # 4 MB at 4 MB/s, whatever the number of takers
+    took = time.monotonic() - started
+    assert took >= 2.0, took  # 2.4 MB at 1 MB/s, whatever the number of takers (a lower bound: load cannot break it)
