@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from daemon.llama.sampling import SeqSampler, sample_rows  # noqa: E402
+from daemon.runners.protocol import SampleParams  # noqa: E402
 
 CASES = [
     ("Ollama's defaults", {}),
@@ -78,7 +79,7 @@ def main() -> None:
         windows = [[int(t) for t in rng.integers(0, vocab, 300)] for _ in range(n)]
         for name, params in CASES:
             runs = 3 if "top_k 0" in name else 5
-            ours = [SeqSampler.from_params({"seed": i, **params}, 2048) for i in range(n)]
+            ours = [SeqSampler.of(SampleParams(**{"seed": i, **params}), 2048) for i in range(n)]
             theirs = [previous.SeqSampler.from_params({"seed": i, **params}, 2048) for i in range(n)]
             ms = best(lambda rows, ours=ours, windows=windows: sample_rows(rows, ours, windows), logits, runs)
             old = best(

@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
 
-from daemon.runners.base import Done, Embedding, Event, GenerateRequest, LoadFailed, LoadSpec, MemoryUse, Token
+from daemon.runners.base import (
+    Done,
+    Embedding,
+    Event,
+    GenerateRequest,
+    LoadFailed,
+    LoadSpec,
+    MemoryUse,
+    Piece,
+    SlotInfo,
+    Token,
+)
 
 
 class FakeRunner:
     instances: list[FakeRunner] = []
+    exit_signal: int | None = None  # how it "died" (a test may set it)
+    decoded = False  # a fake's death never counts as a crash after serving
 
     def __init__(self, spec: LoadSpec, memory: MemoryUse, *, load_delay: float = 0.0, fail: bool = False) -> None:
         self.spec = spec
@@ -53,8 +65,17 @@ class FakeRunner:
     async def detokenize(self, tokens: list[int]) -> str:
         return "".join(map(chr, tokens))
 
+    async def token_pieces(self, tokens: list[int]) -> list[Piece]:
+        return [chr(t) for t in tokens]
+
+    async def rerank(self, query: str, documents: list[str], *, truncate: bool = True) -> tuple[list[float], int]:
+        return [float(len(set(query.split()) & set(d.split()))) for d in documents], len(documents)
+
+    async def slots(self) -> list[SlotInfo]:
+        return [SlotInfo(0, False, 0)]
+
     async def close(self) -> None:
         self.closed = True
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, int | str | bool]:
         return {}

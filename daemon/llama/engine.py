@@ -44,12 +44,24 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from daemon.llama.sampling import SeqSampler, bias_arrays, logprobs, sample_rows
-from daemon.runners.base import parse_logit_bias
+from daemon.runners.protocol import (
+    Done,
+    DoneReply,
+    ErrorReply,
+    JSONObject,
+    Reply,
+    SampleParams,
+    SlotInfo,
+    Token,
+    TokenReply,
+    Truncated,
+    TruncatedReply,
+)
 
 PROMPT_TOO_LONG = (
     "the prompt is longer than the context length currently available to the model; shorten the prompt, adjust "
@@ -58,7 +70,7 @@ PROMPT_TOO_LONG = (
 
 TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
 
-Emit = Callable[[list[dict[str, Any]]], None]
+Emit = Callable[[list[Reply]], None]
 
 
 SAVE_MIN_TOKENS = 64  # a slot's tail shorter than this is cheaper to evaluate again than to save and restore
@@ -194,7 +206,7 @@ class Engine:
         self.n_parallel, self.n_ctx_slot, self.n_batch = n_parallel, n_ctx_slot, n_batch
         self.chunk = chunk or n_batch
         self._emit_many = emit
-        self._out: list[dict[str, Any]] = []  # messages of this iteration, sent together at its end
+        self._out: list[Reply] = []  # replies of this iteration, sent together at its end
         self.slots = [Slot(i) for i in range(n_parallel)]
         self.waiting: deque[Seq] = deque()
         self.by_rid: dict[int, Seq] = {}
@@ -220,7 +232,7 @@ class Engine:
         self,
         rid: int,
         prompt: list[int],
-        params: dict[str, Any],
+        params: SampleParams,
         *,
         shift: bool = True,
         truncate: bool = True,
@@ -245,36 +257,35 @@ class Engine:
                 f"token id {prompt[bad]} at position {bad} is out of range: this model's vocabulary "
                 f"has ids 0 to {self.n_vocab - 1}"
             )
-        num_keep = min(max(0, int(params.get("num_keep", 4))), self.n_ctx_slot // 2)
+        num_keep = min(max(0, params.num_keep), self.n_ctx_slot // 2)
         given = len(prompt)
         if given >= self.n_ctx_slot:
             if not (shift and truncate):
                 raise EngineError(f"{PROMPT_TOO_LONG} (prompt: {given} tokens, context length: {self.n_ctx_slot})")
             tail = self.n_ctx_slot // 2 - num_keep
             prompt = prompt[:num_keep] + prompt[len(prompt) - tail :]
-        num_predict = int(params.get("num_predict", -1))
-        try:  # ids beyond this model's vocabulary are refused here, for this request only
-            bias = bias_arrays(parse_logit_bias(params.get("logit_bias")), self.n_vocab)
+        num_predict = params.num_predict
+        try:  # ids beyond this model's vocabulary are refused here, for this request only (the rest was checked once,
+            # on the daemon's side)
+            bias = bias_arrays(params.logit_bias, self.n_vocab)
         except ValueError as exc:
             raise EngineError(f"invalid logit_bias: {exc}") from None
         seq = Seq(
             rid=rid,
             prompt=prompt,
-            sampler=SeqSampler.from_params(params, self.n_ctx_slot),
+            sampler=SeqSampler.of(params, self.n_ctx_slot, bias),
             limit=10 * self.n_ctx_slot if num_predict < 0 else min(num_predict, 10 * self.n_ctx_slot),  # as Ollama
-            stops=[s for s in (params.get("stop") or []) if s],
+            stops=[s for s in params.stop if s],
             num_keep=num_keep,
             shift=shift,
-            top_logprobs=None if params.get("logprobs") is None else int(params["logprobs"]),
+            top_logprobs=params.logprobs,
             started=time.perf_counter_ns(),
         )
-        seq.sampler.bias = bias
         if media is not None:
             seq.media, seq.media_base = media, len(prompt) - media.n_pos
         seq.grammar = self._grammar(params)
         if len(prompt) < given:  # said now, so that the daemon hears of the cut before any of the request's tokens
-            cut = {"prompt_tokens": given, "kept_tokens": len(prompt), "num_keep": num_keep, "num_ctx": self.n_ctx_slot}
-            self._emit_many([{"id": rid, "type": "truncated", **cut}])
+            self._emit_many([TruncatedReply(rid, Truncated(given, len(prompt), num_keep, self.n_ctx_slot))])
         with self._cv:
             self.by_rid[rid] = seq
             self.waiting.append(seq)
@@ -310,17 +321,17 @@ class Engine:
             self._cv.notify()
         self._thread.join(timeout=10)
 
-    def slots_info(self) -> list[dict[str, Any]]:
-        return [{"id": s.seq_id, "busy": s.seq is not None, "cached_tokens": len(s.tokens)} for s in self.slots]
+    def slots_info(self) -> list[SlotInfo]:
+        return [SlotInfo(s.seq_id, s.seq is not None, len(s.tokens)) for s in self.slots]
 
     # -- grammar -------------------------------------------------------------------------------------------------
-    def _grammar(self, params: dict[str, Any]) -> Any:
-        text = params.get("grammar")
-        if params.get("json_schema"):
+    def _grammar(self, params: SampleParams) -> Any:
+        text = params.grammar
+        if params.json_schema:
             from llama_cpp.llama_grammar import json_schema_to_gbnf  # the runner child only
 
             try:
-                text = json_schema_to_gbnf(params["json_schema"])
+                text = json_schema_to_gbnf(params.json_schema)
             except Exception as exc:  # noqa: BLE001
                 raise EngineError(f"invalid format: could not build a grammar from the schema: {exc}") from None
         if not text:
@@ -407,8 +418,8 @@ class Engine:
         batch.logits = self._want.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         return batch
 
-    def emit(self, msg: dict[str, Any]) -> None:
-        if msg["type"] != "token":
+    def emit(self, msg: Reply) -> None:
+        if not isinstance(msg, TokenReply):
             self._urgent = True
         self._out.append(msg)
 
@@ -900,19 +911,10 @@ class Engine:
         if emit:
             if not seq.shown:  # a stream's first text goes out at once (its time to first token)
                 seq.shown = self._urgent = True
-            msg: dict[str, Any] = {"id": seq.rid, "type": "token", "text": emit}
-            if raw is not None:
-                msg["logprobs"] = self._logprobs(raw, token, seq.top_logprobs or 0)
-            self.emit(msg)
+            lp = self._logprobs(raw, token, seq.top_logprobs or 0) if raw is not None else None
+            self.emit(TokenReply(seq.rid, Token(emit, lp)))
         elif raw is not None:  # held back (may start a stop string): the logprob still belongs to the stream
-            self.emit(
-                {
-                    "id": seq.rid,
-                    "type": "token",
-                    "text": "",
-                    "logprobs": self._logprobs(raw, token, seq.top_logprobs or 0),
-                }
-            )
+            self.emit(TokenReply(seq.rid, Token("", self._logprobs(raw, token, seq.top_logprobs or 0))))
         if hit:
             seq.stop_hit = next((s for s in sorted(seq.stops, key=seq.text.find) if s in seq.text), None)
             seq.text = ""
@@ -924,11 +926,11 @@ class Engine:
             return
         seq.next_token = token
 
-    def _logprobs(self, raw: np.ndarray, token: int, top: int) -> dict[str, Any]:
+    def _logprobs(self, raw: np.ndarray, token: int, top: int) -> JSONObject:
         """Ollama's logprob entry: the token's text, log-probability and bytes, and its top alternatives."""
         lp = logprobs(raw, token, top)
 
-        def entry(tok: int, value: float) -> dict[str, Any]:
+        def entry(tok: int, value: float) -> JSONObject:
             data = self._token_bytes(tok)
             return {"token": data.decode("utf-8", errors="replace"), "logprob": value, "bytes": list(data)}
 
@@ -952,28 +954,25 @@ class Engine:
         self._pieces[token] = data
         return data
 
-    def _finish(self, seq: Seq, reason: str) -> None:
+    def _finish(self, seq: Seq, reason: Literal["stop", "length"]) -> None:
         if seq.text and not seq.cancelled:
             seq.text += seq.decoder.decode(b"", final=True)
-            self.emit({"id": seq.rid, "type": "token", "text": seq.text})
+            self.emit(TokenReply(seq.rid, Token(seq.text)))
         seq.text = ""
         ended = time.perf_counter_ns()
         first = seq.first_at or ended
-        self.emit(
-            {
-                "id": seq.rid,
-                "type": "done",
-                "done_reason": reason,
-                # as Ollama (llama.cpp's cache_n + prompt_n): every prompt token, those reused from the cache included
-                "prompt_eval_count": len(seq.prompt),
-                "prompt_cached": seq.prompt_cached,
-                "prompt_eval_duration": max(1, first - seq.started),
-                "eval_count": len(seq.generated),
-                "eval_duration": max(1, ended - first),
-                "context": [t for t in seq.prompt if t >= 0] + list(seq.generated),  # no image keys
-                "stop_sequence": seq.stop_hit,
-            }
+        done = Done(
+            done_reason=reason,
+            # as Ollama (llama.cpp's cache_n + prompt_n): every prompt token, those reused from the cache included
+            prompt_eval_count=len(seq.prompt),
+            prompt_cached=seq.prompt_cached,
+            prompt_eval_duration=max(1, first - seq.started),
+            eval_count=len(seq.generated),
+            eval_duration=max(1, ended - first),
+            context=tuple([t for t in seq.prompt if t >= 0] + seq.generated),  # no image keys
+            stop_sequence=seq.stop_hit,
         )
+        self.emit(DoneReply(seq.rid, done))
         self._release(seq)
 
     def _fail_started(self, message: str, status: int) -> None:
@@ -985,7 +984,7 @@ class Engine:
             self._fail(seq, message, status)
 
     def _fail(self, seq: Seq, message: str, status: int) -> None:
-        self.emit({"id": seq.rid, "type": "error", "message": message, "status": status})
+        self.emit(ErrorReply(seq.rid, message, status))
         if seq.slot is not None:  # what the KV holds for it is no longer trusted
             self.lc.llama_memory_seq_rm(self.mem, seq.slot.seq_id, -1, -1)
             seq.slot.tokens = []
@@ -1011,19 +1010,21 @@ class Engine:
         seq.slot = None
 
 
-def merge_pieces(out: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def merge_pieces(out: list[Reply]) -> list[Reply]:
     """A stream's plain pieces of text in one send as one message, in order: what the daemon forwards as one line
     (one event through its parsers, one chunk on the wire) instead of one per token. A piece with logprobs stays
     a message of its own (a token's logprobs belong to it), and nothing joins a piece across another message of
     its stream (an end, an error)."""
-    merged: list[dict[str, Any]] = []
-    open_at: dict[Any, int] = {}  # stream id -> index in ``merged`` of its last plain piece, while it may grow
+    merged: list[Reply] = []
+    open_at: dict[int, int] = {}  # stream id -> index in ``merged`` of its last plain piece, while it may grow
     for msg in out:
-        rid = msg.get("id")
-        if msg.get("type") == "token" and "logprobs" not in msg:
+        rid = getattr(msg, "id", -1)
+        if isinstance(msg, TokenReply) and msg.token.logprobs is None:
             at = open_at.get(rid)
             if at is not None:
-                merged[at]["text"] += msg["text"]
+                last = merged[at]
+                assert isinstance(last, TokenReply)
+                merged[at] = TokenReply(rid, Token(last.token.text + msg.token.text))
                 continue
             open_at[rid] = len(merged)
         else:

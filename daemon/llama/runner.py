@@ -1,10 +1,11 @@
 """The runner child process: owns one llama.cpp model. The only module in corral that imports llama_cpp (the
 batching engine it drives, ``engine.py``, is handed the module).
 
-Run as ``python -m daemon.llama.runner``. It speaks length-prefixed JSON frames (``protocol.py``) on its
-original stdout; everything else (llama.cpp's logs included) goes to stderr. A reader thread takes frames from
-stdin so a ``cancel`` reaches a generation between two tokens. EOF on stdin or a new parent pid (the daemon died,
-even by SIGKILL) ends the process at once.
+Run as ``python -m daemon.llama.runner``. It reads ops and sends replies as the runner protocol has them
+(``daemon/runners/protocol.py``, docs/runner-protocol.md) on its stdin and its original stdout; everything else
+(llama.cpp's logs included) goes to stderr. A reader thread takes frames from stdin so a ``cancel`` reaches a
+generation between two tokens. EOF on stdin or a new parent pid (the daemon died, even by SIGKILL) ends the process
+at once. Ops arrive typed: each is handled by the method the dispatch table names for its class.
 """
 
 from __future__ import annotations
@@ -17,16 +18,52 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
-from daemon.runners.protocol import encode, read_frame
+from daemon.runners.protocol import (
+    BatchReply,
+    CancelOp,
+    DetokenizeOp,
+    Embedding,
+    EmbedOp,
+    EmbedReply,
+    ErrorReply,
+    GenerateOp,
+    GenerateRequest,
+    LoadedReply,
+    LoadErrorReply,
+    LoadOp,
+    LoadSpec,
+    Op,
+    Piece,
+    PiecesOp,
+    PiecesReply,
+    ProtocolError,
+    Reply,
+    RerankOp,
+    RerankReply,
+    RunnerInfo,
+    ShutdownOp,
+    SlotsOp,
+    SlotsReply,
+    StageReply,
+    TextReply,
+    TokenizeOp,
+    TokensReply,
+    decode_op,
+    encode,
+    parse_payload,
+    read_payload,
+    request_id,
+)
 
 KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml_type values (GGML_TYPE_F16, _Q8_0, _Q4_0)
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
 FAULT_ENV = "CORRAL_TEST_FAULT"
 
 
-def _inject_fault(stage: str, spec: dict[str, Any]) -> None:
+def _inject_fault(stage: str, spec: LoadSpec) -> None:
     """Test-only fault injection (docs/runner-faults.md): ``CORRAL_TEST_FAULT=<stage>`` makes this runner die by
     SIGSEGV at that stage (``warmup``, ``first-decode``) while llama.cpp's extra buffer types are on, as
     llama.cpp's AMX kernels do on some Intel CPUs; ``<stage>-always`` whatever the configuration. Unset in
@@ -35,7 +72,7 @@ def _inject_fault(stage: str, spec: dict[str, Any]) -> None:
     if not wanted:
         return
     always = wanted.endswith("-always")
-    if wanted.removesuffix("-always") != stage or not (always or spec.get("extra_bufts", True)):
+    if wanted.removesuffix("-always") != stage or not (always or spec.extra_bufts):
         return
     sys.stderr.write(f"corral test fault: SIGSEGV at {stage} ({FAULT_ENV}={wanted})\n")
     sys.stderr.flush()
@@ -82,13 +119,13 @@ class Channel:
         self._out = os.fdopen(out_fd, "wb", buffering=0)
         self._lock = threading.Lock()
 
-    def send(self, obj: dict[str, Any]) -> None:
-        self.send_many([obj])
+    def send(self, reply: Reply) -> None:
+        self.send_many([reply])
 
-    def send_many(self, objs: list[dict[str, Any]]) -> None:
-        """Several messages (an engine step's tokens and ends) as one ``batch`` frame: one JSON encoding and one
+    def send_many(self, replies: list[Reply]) -> None:
+        """Several replies (an engine step's tokens and ends) as one ``batch`` frame: one JSON encoding and one
         write here, one read and one JSON decoding in the daemon, whatever the number of sequences."""
-        data = encode(objs[0] if len(objs) == 1 else {"type": "batch", "msgs": objs})
+        data = encode(replies[0] if len(replies) == 1 else BatchReply(tuple(replies)))
         with self._lock:
             self._out.write(data)
 
@@ -107,7 +144,8 @@ class Runner:
         # libmtmd's context is not thread-safe: the request thread tokenizes images, the engine thread evaluates them
         self._vision_lock = threading.Lock()
         self.log_lines: list[str] = []
-        self.spec: dict[str, Any] = {}
+        self.spec = LoadSpec(model_path="")
+        self.projector_gpu = False
         self._embedded = False
         self._log_cb = llama_cpp.llama_log_callback(self._on_log)
         llama_cpp.llama_log_set(self._log_cb, ctypes.c_void_p(0))
@@ -119,50 +157,50 @@ class Runner:
         sys.stderr.write(line)
 
     # -- load ----------------------------------------------------------------------------------------------------
-    def load(self, spec: dict[str, Any]) -> None:
+    def load(self, spec: LoadSpec) -> None:
         import psutil
 
         self.spec = spec
-        threads = int(spec.get("num_thread") or 0) or psutil.cpu_count(logical=False) or os.cpu_count() or 1
-        n_parallel = max(1, int(spec.get("num_parallel") or 1))
-        n_ctx = int(spec["num_ctx"]) * n_parallel
-        n_batch = int(spec.get("num_batch") or 512)
-        if not os.path.isfile(spec["model_path"]):
-            raise RequestError(f"model file {spec['model_path']} does not exist", 500)
-        adapters = spec.get("adapters") or []
+        threads = spec.num_thread or psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        n_parallel = max(1, spec.num_parallel)
+        n_ctx = spec.num_ctx * n_parallel
+        n_batch = spec.num_batch or 512
+        if not os.path.isfile(spec.model_path):
+            raise RequestError(f"model file {spec.model_path} does not exist", 500)
+        adapters = list(spec.adapters)
         lc = self.lc
-        kv_type = KV_TYPES.get(str(spec.get("kv_cache_type") or "f16"), lc.GGML_TYPE_F16)
-        flash = FLASH_ATTN.get(str(spec.get("flash_attn") or "auto"), -1)
-        if spec.get("embedding"):
+        kv_type = KV_TYPES.get(spec.kv_cache_type or "f16", lc.GGML_TYPE_F16)
+        flash = FLASH_ATTN.get(spec.flash_attn or "auto", -1)
+        if spec.embedding:
             kwargs: dict[str, Any] = dict(
-                model_path=spec["model_path"],
+                model_path=spec.model_path,
                 n_ctx=n_ctx,
                 n_batch=n_batch,
-                n_gpu_layers=int(spec.get("num_gpu", 0)),
+                n_gpu_layers=spec.num_gpu,
                 n_threads=threads,
                 n_threads_batch=threads,
                 embedding=True,
                 verbose=False,
                 seed=0,
-                main_gpu=int(spec.get("main_gpu") or 0),
+                main_gpu=spec.main_gpu,
                 type_k=kv_type,
                 type_v=kv_type,
             )
             if flash >= 0:
                 kwargs["flash_attn"] = bool(flash)
-            if spec.get("tensor_split"):
-                kwargs["tensor_split"] = [float(x) for x in spec["tensor_split"]]
-            if spec.get("use_mmap") is not None:
-                kwargs["use_mmap"] = bool(spec["use_mmap"])
+            if spec.tensor_split:
+                kwargs["tensor_split"] = list(spec.tensor_split)
+            if spec.use_mmap is not None:
+                kwargs["use_mmap"] = spec.use_mmap
             if adapters:
                 kwargs["lora_path"] = adapters[0]
-            if spec.get("rerank"):  # a reranker: pooling rank, and a whole batch in one ubatch (no KV cache)
+            if spec.rerank:  # a reranker: pooling rank, and a whole batch in one ubatch (no KV cache)
                 kwargs["pooling_type"] = lc.LLAMA_POOLING_TYPE_RANK
                 kwargs["n_ubatch"] = n_batch
-            with _model_params_patch(lc, bool(spec.get("extra_bufts", True))):
+            with _model_params_patch(lc, spec.extra_bufts):
                 self.llm = lc.Llama(**kwargs)
             self.model = self.llm._model
-            self.chan.send({"type": "stage", "stage": "warm-up"})
+            self.chan.send(StageReply("warm-up"))
             _inject_fault("warmup", spec)
             if self._is_reranker():  # the same kernels as a request, see _warm_up
                 self._rank([self._rerank_tokens("warm up", "warm up")])
@@ -175,9 +213,9 @@ class Runner:
 
         mparams = lc.llama_model_default_params()
         self._model_params(mparams, spec)
-        if spec.get("use_mmap") is not None:
-            mparams.use_mmap = bool(spec["use_mmap"]) and not adapters
-        self.model = _internals.LlamaModel(path_model=spec["model_path"], params=mparams, verbose=False)
+        if spec.use_mmap is not None:
+            mparams.use_mmap = spec.use_mmap and not adapters
+        self.model = _internals.LlamaModel(path_model=spec.model_path, params=mparams, verbose=False)
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = n_batch
@@ -207,10 +245,10 @@ class Runner:
             self.context.ctx,
             self.model.vocab,
             n_parallel=n_parallel,
-            n_ctx_slot=int(spec["num_ctx"]),
+            n_ctx_slot=spec.num_ctx,
             n_batch=n_batch,
             emit=self.chan.send_many,
-            cache_bytes=int(spec.get("prompt_cache") or 0),
+            cache_bytes=spec.prompt_cache,
             before_first_decode=lambda: _inject_fault("first-decode", spec),
             first_token_pause=0.0 if offloaded else FIRST_TOKEN_PAUSE,
             # llama.cpp computing with a thread on every core: each frame that wakes the daemon stalls a decode
@@ -218,15 +256,15 @@ class Runner:
         )
         # on the engine's thread, as every decode after them (Engine.call)
         self.engine.call(lambda: self._warm_up(self.context.ctx, self.model))
-        if spec.get("projector_path"):
-            self.engine.call(lambda: self._load_projector(str(spec["projector_path"]), threads, flash))
+        if spec.projector_path:
+            self.engine.call(lambda: self._load_projector(spec.projector_path, threads, flash))
             self.engine.set_media(self._eval_media)
 
     def _fully_offloaded(self) -> bool:
         """Every layer on a GPU: llama.cpp's CPU threads then wait on the device instead of computing."""
         lc = self.lc
         n_layer = int(lc.llama_model_n_layer(self.model.model))
-        num_gpu = int(self.spec.get("num_gpu", 0))
+        num_gpu = self.spec.num_gpu
         return bool(lc.llama_supports_gpu_offload()) and (num_gpu < 0 or num_gpu >= n_layer)
 
     def _load_projector(self, path: str, threads: int, flash: int) -> None:
@@ -305,12 +343,12 @@ class Runner:
                 obj.close()
         self.context = self.model = None
 
-    def _model_params(self, mparams: Any, spec: dict[str, Any]) -> None:
+    def _model_params(self, mparams: Any, spec: LoadSpec) -> None:
         lc = self.lc
-        mparams.n_gpu_layers = int(spec.get("num_gpu", 0))
-        mparams.main_gpu = int(spec.get("main_gpu") or 0)
-        mparams.use_extra_bufts = bool(spec.get("extra_bufts", True))
-        split = [float(x) for x in spec.get("tensor_split") or ()][: lc.LLAMA_MAX_DEVICES]
+        mparams.n_gpu_layers = spec.num_gpu
+        mparams.main_gpu = spec.main_gpu
+        mparams.use_extra_bufts = spec.extra_bufts
+        split = list(spec.tensor_split)[: lc.LLAMA_MAX_DEVICES]
         if split:
             self._tensor_split = (ctypes.c_float * lc.LLAMA_MAX_DEVICES)(*split)  # kept alive with the runner
             mparams.tensor_split = ctypes.cast(self._tensor_split, ctypes.POINTER(ctypes.c_float))
@@ -320,7 +358,7 @@ class Runner:
         kernel that faults on this CPU or GPU (llama.cpp's AMX path, a bad driver) kills the runner here, while
         the daemon can still load it again with a safer configuration, and not in a user's request."""
         lc = self.lc
-        self.chan.send({"type": "stage", "stage": "warm-up"})
+        self.chan.send(StageReply("warm-up"))
         _inject_fault("warmup", self.spec)
         n_ctx = int(lc.llama_n_ctx(ctx))
         n = max(1, min(16, int(lc.llama_n_batch(ctx)), n_ctx - 1))
@@ -349,42 +387,41 @@ class Runner:
             if mem:
                 lc.llama_memory_clear(mem, True)
 
-    def info(self) -> dict[str, Any]:
-        m = self.model
+    def info(self) -> RunnerInfo:
+        m, spec = self.model, self.spec
         n_ctx = self.llm.n_ctx() if self.llm is not None else self.context.n_ctx()
-        return {
-            "n_ctx": n_ctx,
-            "n_ctx_train": m.n_ctx_train(),
-            "n_vocab": m.n_vocab(),
-            "n_embd": m.n_embd(),
-            "n_gpu_layers": int(self.spec.get("num_gpu", 0)),
-            "extra_bufts": bool(self.spec.get("extra_bufts", True)),
-            "flash_attn": str(self.spec.get("flash_attn") or "auto"),
-            "kv_cache_type": str(self.spec.get("kv_cache_type") or "f16"),
-            "num_parallel": max(1, int(self.spec.get("num_parallel") or 1)),
-            "projector": self.projector is not None,
-            "projector_gpu": bool(getattr(self, "projector_gpu", False)),
-            "gpu_offload_supported": bool(self.lc.llama_supports_gpu_offload()),
-            "log_lines": self.log_lines,
-            "pid": os.getpid(),
-        }
+        return RunnerInfo(
+            n_ctx=int(n_ctx),
+            n_ctx_train=int(m.n_ctx_train()),
+            n_vocab=int(m.n_vocab()),
+            n_embd=int(m.n_embd()),
+            n_gpu_layers=spec.num_gpu,
+            extra_bufts=spec.extra_bufts,
+            flash_attn=spec.flash_attn or "auto",
+            kv_cache_type=spec.kv_cache_type or "f16",
+            num_parallel=max(1, spec.num_parallel),
+            projector=self.projector is not None,
+            projector_gpu=self.projector_gpu,
+            gpu_offload_supported=bool(self.lc.llama_supports_gpu_offload()),
+            pid=os.getpid(),
+            log_lines=tuple(self.log_lines),
+        )
 
     def cancel(self, rid: int) -> None:
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.cancel(rid)
+        if self.engine is not None:
+            self.engine.cancel(rid)
 
     def tokenize(self, text: str, add_special: bool) -> list[int]:
         return list(self.model.tokenize(text.encode("utf-8"), add_bos=add_special, special=True))
 
     # -- generate ------------------------------------------------------------------------------------------------
-    def generate(self, rid: int, req: dict[str, Any]) -> None:
+    def generate(self, rid: int, req: GenerateRequest) -> None:
         """Hand the request to the batching engine; its tokens and ``done`` are sent from the engine thread."""
         from daemon.llama.engine import EngineError
 
         if self.llm is not None:
             raise RequestError("this runner was loaded for embeddings only", 500)
-        context = list(req.get("context") or [])
+        context = list(req.context)
         if context:
             from daemon.llama.engine import check_token_ids
 
@@ -396,20 +433,20 @@ class Runner:
                     f"this model's vocabulary has ids 0 to {n_vocab - 1}"
                 )
         media = None
-        if req.get("images"):
+        if req.images:
             media = self._media_prompt(req)
             tokens = context + media.cache_key()  # image positions as negative keys (vision.MediaPrompt.cache_key)
         else:
-            tokens = context + self.tokenize(req["prompt"], bool(req.get("add_special", True)))
+            tokens = context + self.tokenize(req.prompt, req.add_special)
         if not tokens:
             tokens = [self.model.token_bos()]
         try:
             self.engine.submit(
                 rid,
                 tokens,
-                req.get("params") or {},
-                shift=bool(req.get("shift", True)),
-                truncate=bool(req.get("truncate", True)),
+                req.params,
+                shift=req.shift,
+                truncate=req.truncate,
                 media=media,
             )
         except EngineError as exc:
@@ -417,32 +454,29 @@ class Runner:
                 media.close()
             raise RequestError(str(exc), exc.status) from None
 
-    def _media_prompt(self, req: dict[str, Any]) -> Any:
+    def _media_prompt(self, req: GenerateRequest) -> Any:
         """The request's prompt and images (base64, one per media marker) tokenized by the projector; any problem
         with them is the request's 400, and the runner goes on serving."""
         import base64
         import binascii
 
-        images = req["images"]
         if self.projector is None:
             raise RequestError(
                 "this model cannot take images: it was loaded without a vision projector (create it with its "
                 "projector GGUF, or remove the images)"
             )
-        if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
-            raise RequestError("images must be a list of base64 strings")
         try:
-            data = [base64.b64decode(img, validate=True) for img in images]
+            data = [base64.b64decode(img, validate=True) for img in req.images]
         except (binascii.Error, ValueError):
             raise RequestError("an image is not valid base64") from None
         with self._vision_lock:
             try:
-                return self.projector.tokenize(req["prompt"], data, add_special=bool(req.get("add_special", True)))
+                return self.projector.tokenize(req.prompt, data, add_special=req.add_special)
             except ValueError as exc:
                 raise RequestError(str(exc)) from None
 
     # -- embeddings ------------------------------------------------------------------------------------------------
-    def embed(self, inputs: list[str], truncate: bool) -> dict[str, Any]:
+    def embed(self, inputs: tuple[str, ...], truncate: bool) -> Embedding:
         llm = self.llm
         if self._is_reranker():  # its pooled output is one score, not a vector
             raise RequestError("this model is a reranker and does not support embeddings; use /api/rerank")
@@ -463,7 +497,7 @@ class Runner:
                 dim = len(out[0])
                 out = [sum(row[i] for row in out) / len(out) for i in range(dim)]
             vectors.append([float(x) for x in out])
-        return {"vectors": vectors, "prompt_eval_count": sum(counts)}
+        return Embedding(vectors, sum(counts))
 
     # -- rerank (issue 18) -----------------------------------------------------------------------------------------
     def _is_reranker(self) -> bool:
@@ -537,7 +571,7 @@ class Runner:
         flush()
         return scores
 
-    def rerank(self, query: str, documents: list[str], truncate: bool) -> dict[str, Any]:
+    def rerank(self, query: str, documents: tuple[str, ...], truncate: bool) -> tuple[list[float], int]:
         if not self._is_reranker():
             raise RequestError("this model does not support reranking")
         if not self._embedded:
@@ -557,13 +591,13 @@ class Runner:
             if not tokens:
                 raise RequestError("an empty query and document")
             pairs.append(tokens)
-        return {"scores": self._rank(pairs), "prompt_eval_count": sum(len(t) for t in pairs)}
+        return self._rank(pairs), sum(len(t) for t in pairs)
 
-    def pieces(self, tokens: list[int]) -> list[Any]:
+    def pieces(self, tokens: tuple[int, ...]) -> list[Piece]:
         """Each token's text (special tokens included): a string, or its bytes as a list of ints where they are not
         valid UTF-8 alone (a part of a character), as llama-server's ``with_pieces``."""
         lc, vocab = self.lc, self.model.vocab
-        out: list[Any] = []
+        out: list[Piece] = []
         buf = ctypes.create_string_buffer(64)
         for token in tokens:
             n = int(lc.llama_token_to_piece(vocab, lc.llama_token(int(token)), buf, len(buf), 0, True))
@@ -578,47 +612,54 @@ class Runner:
         return out
 
     # -- dispatch --------------------------------------------------------------------------------------------------
-    def handle(self, msg: dict[str, Any]) -> None:
-        rid = int(msg.get("id", 0))
-        op = msg.get("op")
+    def _generate(self, op: GenerateOp) -> None:
+        self.generate(op.id, op.req)  # the engine thread sends the replies
+
+    def _embed(self, op: EmbedOp) -> Reply:
+        return EmbedReply(op.id, self.embed(op.inputs, op.truncate))
+
+    def _slots(self, op: SlotsOp) -> Reply:
+        return SlotsReply(op.id, tuple(self.engine.slots_info()) if self.engine is not None else ())
+
+    def _tokenize(self, op: TokenizeOp) -> Reply:
+        return TokensReply(op.id, tuple(self.tokenize(op.text, op.add_special)))
+
+    def _detokenize(self, op: DetokenizeOp) -> Reply:
+        return TextReply(op.id, self.model.detokenize(list(op.tokens)).decode("utf-8", errors="replace"))
+
+    def _rerank(self, op: RerankOp) -> Reply:
+        scores, count = self.rerank(op.query, op.documents, op.truncate)
+        return RerankReply(op.id, tuple(scores), count)
+
+    def _pieces(self, op: PiecesOp) -> Reply:
+        return PiecesReply(op.id, tuple(self.pieces(op.tokens)))
+
+    #: op class -> its handler: the reply to send, or None when the engine sends them (a generation)
+    HANDLERS: dict[type[Any], Callable[[Runner, Any], Reply | None]] = {
+        GenerateOp: _generate,
+        EmbedOp: _embed,
+        SlotsOp: _slots,
+        TokenizeOp: _tokenize,
+        DetokenizeOp: _detokenize,
+        RerankOp: _rerank,
+        PiecesOp: _pieces,
+    }
+
+    def handle(self, op: Op) -> None:
+        """Serve one op (the main thread's loop); a failure is the op's error reply, and the runner goes on."""
+        rid = getattr(op, "id", 0)
         try:
-            if op == "generate":
-                self.generate(rid, msg["req"])
-            elif op == "embed":
-                self.chan.send(
-                    {"id": rid, "type": "result", **self.embed(list(msg["inputs"]), bool(msg.get("truncate", True)))}
-                )
-            elif op == "slots":
-                slots = self.engine.slots_info() if self.engine is not None else []
-                self.chan.send({"id": rid, "type": "result", "slots": slots})
-            elif op == "tokenize":
-                self.chan.send(
-                    {
-                        "id": rid,
-                        "type": "result",
-                        "tokens": self.tokenize(msg["text"], bool(msg.get("add_special", True))),
-                    }
-                )
-            elif op == "rerank":
-                self.chan.send(
-                    {
-                        "id": rid,
-                        "type": "result",
-                        **self.rerank(str(msg["query"]), list(msg["documents"]), bool(msg.get("truncate", True))),
-                    }
-                )
-            elif op == "pieces":
-                self.chan.send({"id": rid, "type": "result", "pieces": self.pieces(list(msg["tokens"]))})
-            elif op == "detokenize":
-                text = self.model.detokenize(list(msg["tokens"])).decode("utf-8", errors="replace")
-                self.chan.send({"id": rid, "type": "result", "text": text})
-            else:
-                raise RequestError(f"unknown operation {op!r}", 500)
+            handler = self.HANDLERS.get(type(op))
+            if handler is None:
+                raise RequestError(f"unexpected operation {op.op!r}", 500)
+            reply = handler(self, op)
+            if reply is not None:
+                self.chan.send(reply)
         except RequestError as exc:
-            self.chan.send({"id": rid, "type": "error", "message": str(exc), "status": exc.status})
+            self.chan.send(ErrorReply(rid, str(exc), exc.status))
         except Exception as exc:  # noqa: BLE001 - report and keep serving
             traceback.print_exc()
-            self.chan.send({"id": rid, "type": "error", "message": f"llama.cpp error: {exc}", "status": 500})
+            self.chan.send(ErrorReply(rid, f"llama.cpp error: {exc}", 500))
 
 
 def _usable_cores() -> int:
@@ -642,46 +683,67 @@ def main() -> None:
     sys.stdout = os.fdopen(1, "w", buffering=1)  # fd 1 now points at stderr
     chan = Channel(proto_fd)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
+    inbox: queue.Queue[Op | None] = queue.Queue()
     runner_ref: list[Runner] = []
+
+    def malformed(exc: ProtocolError, data: bytes) -> None:
+        sys.stderr.write(f"runner: malformed op: {exc}\n")
+        try:
+            obj = parse_payload(data)
+        except ProtocolError:
+            return
+        if obj.get("op") == "load" and not runner_ref:
+            chan.send(LoadErrorReply(f"the runner could not read the load op: {exc}"))
+            os._exit(1)
+        rid = request_id(obj)
+        if rid is not None:
+            chan.send(ErrorReply(rid, f"the runner could not read the request: {exc}", 500))
 
     def read() -> None:
         stdin = sys.stdin.buffer
         while True:
             try:
-                msg = read_frame(stdin)
-            except Exception:  # noqa: BLE001
-                msg = None
-            if msg is None or msg.get("op") == "shutdown":
+                data = read_payload(stdin)
+            except Exception:  # noqa: BLE001 - a length past MAX_FRAME: the stream cannot be read on
+                data = None
+            if data is None:
                 os._exit(0)
-            if msg.get("op") == "cancel":
-                if runner_ref:
-                    runner_ref[0].cancel(int(msg.get("id", 0)))
+            try:
+                obj = parse_payload(data)
+                op = decode_op(obj)
+            except ProtocolError as exc:  # a malformed op fails alone (its request, when it names one)
+                malformed(exc, data)
                 continue
-            inbox.put(msg)
+            if isinstance(op, ShutdownOp):
+                os._exit(0)
+            if isinstance(op, CancelOp):
+                if runner_ref:
+                    runner_ref[0].cancel(op.id)
+                continue
+            inbox.put(op)
 
     threading.Thread(target=read, daemon=True).start()
     first = inbox.get()
-    if not first or first.get("op") != "load":
-        chan.send({"type": "load_error", "message": "the first message must be load"})
+    if not isinstance(first, LoadOp):
+        chan.send(LoadErrorReply("the first message must be load"))
         os._exit(1)
     try:
         runner = Runner(chan)
         runner_ref.append(runner)
-        chan.send({"type": "stage", "stage": "load"})
-        runner.load(first["spec"])
-        chan.send({"type": "loaded", "info": runner.info()})
+        chan.send(StageReply("load"))
+        runner.load(first.spec)
+        chan.send(LoadedReply(runner.info()))
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
         lines = runner_ref[0].log_lines[-20:] if runner_ref else []
-        chan.send({"type": "load_error", "message": f"{exc}", "log_lines": lines})
+        chan.send(LoadErrorReply(f"{exc}", tuple(lines)))
         os._exit(1)
     try:
         while True:
-            msg = inbox.get()
-            if msg is None:
+            op = inbox.get()
+            if op is None:
                 break
-            runner.handle(msg)
+            runner.handle(op)
     finally:
         with contextlib.suppress(Exception):
             runner.close()

@@ -26,58 +26,42 @@ from typing import Any
 
 import numpy as np
 
-from daemon.runners.base import BIAS_LIMIT, option_default
-from modelfile.params import DEFAULT_OPTIONS
+from daemon.runners.protocol import BIAS_LIMIT, SampleParams
 
 NEG_INF = np.float32(-np.inf)
 
 
 @dataclass
 class SeqSampler:
-    """One sequence's sampling settings and state (random generator, penalty window)."""
+    """One sequence's sampling state: its request's settings as they came over the pipe (``SampleParams``, read
+    once, never copied field by field: issue 26, duplicate D11), the penalty window they resolve to, its random
+    generator, its logit bias as arrays, and the two facts the step's fast path asks of every row."""
 
-    temperature: float = float(option_default("temperature"))
-    top_k: int = int(option_default("top_k"))
-    top_p: float = float(option_default("top_p"))
-    min_p: float = float(option_default("min_p"))
-    typical_p: float = float(option_default("typical_p"))
-    repeat_penalty: float = float(option_default("repeat_penalty"))
-    repeat_last_n: int = int(option_default("repeat_last_n"))
-    presence_penalty: float = float(option_default("presence_penalty"))
-    frequency_penalty: float = float(option_default("frequency_penalty"))
-    seed: int = int(option_default("seed"))
-    rng: np.random.Generator = field(default_factory=np.random.default_rng)
+    params: SampleParams
+    repeat_last_n: int  # the penalty window (``params.repeat_last_n``, with -1 resolved to the context length)
+    rng: np.random.Generator
     bias: tuple[np.ndarray, np.ndarray] | None = None  # logit_bias as (token ids, values): ``bias_arrays``
+    penalised: bool = field(init=False)  # repeat, presence or frequency penalties apply
+    greedy: bool = field(init=False)  # temperature 0: the argmax
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.penalised = self.repeat_last_n > 0 and (
+            p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        )
+        self.greedy = p.temperature <= 0.0
 
     @classmethod
-    def from_params(cls, params: dict[str, Any], num_ctx: int) -> SeqSampler:
-        """From a request's sampling options (``SampleParams`` as a dict); a missing one takes its default."""
-        p: dict[str, Any] = {**DEFAULT_OPTIONS, **params}
-        seed = int(p["seed"])
-        last_n = int(p["repeat_last_n"])
+    def of(cls, params: SampleParams, num_ctx: int, bias: tuple[np.ndarray, np.ndarray] | None = None) -> SeqSampler:
+        """The sampler for a request's settings in a context of ``num_ctx`` tokens per sequence; ``bias``: its
+        logit_bias as ``bias_arrays`` gives it."""
+        last_n = params.repeat_last_n
         return cls(
-            temperature=float(p["temperature"]),
-            top_k=int(p["top_k"]),
-            top_p=float(p["top_p"]),
-            min_p=float(p["min_p"]),
-            typical_p=float(p["typical_p"]),
-            repeat_penalty=float(p["repeat_penalty"]),
+            params,
             repeat_last_n=num_ctx if last_n < 0 else last_n,
-            presence_penalty=float(p["presence_penalty"]),
-            frequency_penalty=float(p["frequency_penalty"]),
-            seed=seed,
-            rng=np.random.default_rng(seed if seed >= 0 else None),
+            rng=np.random.default_rng(params.seed if params.seed >= 0 else None),
+            bias=bias,
         )
-
-    @property
-    def penalised(self) -> bool:
-        return self.repeat_last_n > 0 and (
-            self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-        )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
 
 
 def bias_arrays(pairs: Sequence[Sequence[Any]], n_vocab: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -109,9 +93,10 @@ def apply_penalties(row: np.ndarray, window: Sequence[int], s: SeqSampler) -> No
     ids, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
     ids, counts = ids[(ids >= 0) & (ids < row.shape[0])], counts[(ids >= 0) & (ids < row.shape[0])]
     values = row[ids]
-    if s.repeat_penalty != 1.0:
-        values = np.where(values > 0, values / s.repeat_penalty, values * s.repeat_penalty)
-    values = values - counts * s.frequency_penalty - (counts > 0) * s.presence_penalty
+    p = s.params
+    if p.repeat_penalty != 1.0:
+        values = np.where(values > 0, values / p.repeat_penalty, values * p.repeat_penalty)
+    values = values - counts * p.frequency_penalty - (counts > 0) * p.presence_penalty
     row[ids] = values.astype(row.dtype, copy=False)
 
 
@@ -192,16 +177,16 @@ def _sample_truncated(logits: np.ndarray, samplers: Sequence[SeqSampler]) -> lis
     nucleus ends among them (checked against the whole row's normaliser), else from the whole row sorted."""
     n_rows, vocab = logits.shape
     out = [0] * n_rows
-    temps = np.array([s.temperature for s in samplers], dtype=np.float64)[:, None]
-    limited = [i for i, s in enumerate(samplers) if 0 < s.top_k < vocab]
+    temps = np.array([s.params.temperature for s in samplers], dtype=np.float64)[:, None]
+    limited = [i for i, s in enumerate(samplers) if 0 < s.params.top_k < vocab]
     untruncated: list[int] = []
     nucleus: list[int] = []
     for i, s in enumerate(samplers):
-        if not 0 < s.top_k < vocab:
-            plain = s.top_p >= 1.0 and s.min_p <= 0.0 and not 0.0 < s.typical_p < 1.0
+        if not 0 < s.params.top_k < vocab:
+            plain = s.params.top_p >= 1.0 and s.params.min_p <= 0.0 and not 0.0 < s.params.typical_p < 1.0
             (untruncated if plain else nucleus).append(i)
     if limited:
-        ks = np.array([samplers[i].top_k for i in limited])
+        ks = np.array([samplers[i].params.top_k for i in limited])
         ids, values = top_candidates(_rows(logits, limited), int(ks.max()))
         values = values.astype(np.float64) / temps[limited]
         values[np.arange(values.shape[1])[None, :] >= ks[:, None]] = -np.inf  # each row's own k
@@ -239,18 +224,18 @@ def _draw(
     the row's best tokens, not all of them), top-p, min-p, typical-p. With ``log_z``, a row whose cut does not
     fall inside its candidates gets None."""
     probs = _softmax_rows(values) if log_z is None else np.exp(values - log_z[:, None])
-    top_p = np.array([s.top_p for s in samplers], dtype=np.float64)
+    top_p = np.array([s.params.top_p for s in samplers], dtype=np.float64)
     cum = np.cumsum(probs, axis=1)
     keep = (cum - probs) < np.where(top_p >= 1.0, np.inf, top_p)[:, None]  # the first token is always kept
-    min_p = np.array([s.min_p for s in samplers], dtype=np.float64)
+    min_p = np.array([s.params.min_p for s in samplers], dtype=np.float64)
     keep &= probs >= (min_p[:, None] * probs[:, :1])
     keep[:, 0] = True
     # with log_z, the cut is inside the candidates when their last one is cut (every later token is smaller)
     complete = np.ones(len(samplers), dtype=bool) if log_z is None else ~keep[:, -1]
     probs = np.where(keep, probs, 0.0)
     for r, s in enumerate(samplers):
-        if complete[r] and 0.0 < s.typical_p < 1.0:
-            probs[r] = _typical(probs[r], s.typical_p)
+        if complete[r] and 0.0 < s.params.typical_p < 1.0:
+            probs[r] = _typical(probs[r], s.params.typical_p)
     totals = probs.sum(axis=1)
     draws = np.array([s.rng.random() for s in samplers]) * totals
     chosen = (np.cumsum(probs, axis=1) > draws[:, None]).argmax(axis=1)

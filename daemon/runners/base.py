@@ -8,17 +8,50 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
+from daemon.runners.protocol import (
+    BIAS_LIMIT,
+    MAX_LOGIT_BIAS,
+    Done,
+    Embedding,
+    GenerateRequest,
+    LoadSpec,
+    Piece,
+    RunnerInfo,
+    SampleParams,
+    SlotInfo,
+    Token,
+    Truncated,
+    option_default,
+)
 from errors import CorralError
-from modelfile.params import DEFAULT_OPTIONS
 
-
-def option_default(name: str) -> Any:
-    """``modelfile.params.DEFAULT_OPTIONS[name]``, the one table of option defaults (typed loosely: callers read it
-    through ``int()`` or ``float()``)."""
-    return DEFAULT_OPTIONS[name]
+# the values that cross the pipe live in the protocol module, which both sides import; the daemon's code takes them
+# from here, with the Runner protocol they belong to
+__all__ = [
+    "BIAS_LIMIT",
+    "MAX_LOGIT_BIAS",
+    "Done",
+    "Embedding",
+    "Event",
+    "GenerateRequest",
+    "LoadFailed",
+    "LoadSpec",
+    "MemoryUse",
+    "Piece",
+    "Runner",
+    "RunnerCrashed",
+    "RunnerError",
+    "RunnerInfo",
+    "SampleParams",
+    "SlotInfo",
+    "Token",
+    "Truncated",
+    "option_default",
+    "parse_logit_bias",
+]
 
 
 class RunnerError(CorralError):
@@ -44,35 +77,6 @@ class RunnerCrashed(RunnerError):
         super().__init__(message)
         self.signal = signal
         self.early = early
-
-
-@dataclass(frozen=True)
-class LoadSpec:
-    """Everything fixed when a model is loaded; a request that needs different values reloads the model."""
-
-    model_path: str
-    adapters: tuple[str, ...] = ()
-    num_ctx: int = 4096  # per sequence slot
-    num_batch: int = 512
-    num_gpu: int = 0  # layers offloaded to the GPU (-1 = all)
-    num_thread: int = 0  # 0 = physical cores
-    use_mmap: bool | None = None
-    num_parallel: int = 1
-    embedding: bool = False
-    prompt_cache: int = 0  # bytes of host RAM for sequences saved from reused slots (counted as the model's RAM)
-    flash_attn: str = "auto"  # "auto" (llama.cpp decides), "on" or "off" (CORRAL_FLASH_ATTENTION)
-    kv_cache_type: str = (
-        "f16"  # f16, q8_0 or q4_0 for both K and V (CORRAL_KV_CACHE_TYPE; quantized needs flash attention)
-    )
-    main_gpu: int = 0  # the GPU that holds the whole model when it is not split, and the small tensors when it is
-    tensor_split: tuple[float, ...] = ()  # share of the offloaded layers per GPU (empty: llama.cpp's own split)
-    extra_bufts: bool = True  # llama.cpp's extra CPU buffer types (weight repacking, AMX); off is the safe fallback
-    rerank: bool = False  # with embedding: pooling type rank (a reranker's score per query/document pair)
-    projector_path: str = ""  # the vision projector (mmproj) GGUF loaded with the model, or "" for none
-
-
-MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
-BIAS_LIMIT = 100.0  # biases lie in [-100, 100], as OpenAI's; -100 bans the token outright
 
 
 def parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -112,81 +116,7 @@ def parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
-@dataclass(frozen=True)
-class SampleParams:
-    """Per-request generation settings (Ollama option names and meanings)."""
-
-    # the defaults are modelfile.params.DEFAULT_OPTIONS (the one table), as the options merge starts from it
-    num_predict: int = int(option_default("num_predict"))
-    temperature: float = float(option_default("temperature"))
-    top_k: int = int(option_default("top_k"))
-    top_p: float = float(option_default("top_p"))
-    min_p: float = float(option_default("min_p"))
-    typical_p: float = float(option_default("typical_p"))
-    repeat_penalty: float = float(option_default("repeat_penalty"))
-    repeat_last_n: int = int(option_default("repeat_last_n"))
-    presence_penalty: float = float(option_default("presence_penalty"))
-    frequency_penalty: float = float(option_default("frequency_penalty"))
-    seed: int = int(option_default("seed"))
-    stop: tuple[str, ...] = ()
-    num_keep: int = int(option_default("num_keep"))
-    grammar: str | None = None  # GBNF, for format="json"
-    json_schema: str | None = None  # JSON schema text (format=<schema>); the runner turns it into a grammar
-    logprobs: int | None = None  # None: off; n: each token's log-probability and its n most likely alternatives
-    # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits before every sampling step
-    # (-100 bans the token, +100 all but forces it); checked by sampling.parse_logit_bias, ids < n_vocab by the runner
-    logit_bias: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    prompt: str
-    params: SampleParams = field(default_factory=SampleParams)
-    add_special: bool = True  # let the tokenizer add BOS (false when the template already has it)
-    context: tuple[int, ...] = ()  # tokens to put before the prompt (the deprecated generate `context`)
-    shift: bool = True  # context shift instead of failing when the prompt is too long
-    truncate: bool = True
-    images: tuple[str, ...] = ()  # base64, one per media marker in the prompt, in order (daemon/chat/media.py)
-
-
-@dataclass(frozen=True)
-class Token:
-    """A piece of generated text (already stop-string-filtered, UTF-8 complete)."""
-
-    text: str
-    logprobs: dict[str, Any] | None = None  # Ollama's shape: token, logprob, bytes, top_logprobs
-
-
-@dataclass(frozen=True)
-class Done:
-    done_reason: Literal["stop", "length"]
-    prompt_eval_count: int  # every prompt token, as Ollama counts them
-    prompt_eval_duration: int  # ns
-    eval_count: int
-    eval_duration: int  # ns
-    prompt_cached: int = 0  # of prompt_eval_count, the tokens reused from the KV cache rather than evaluated
-    context: tuple[int, ...] = ()  # prompt + response tokens
-    stop_sequence: str | None = None  # the stop string that ended it, if one did
-
-
-@dataclass(frozen=True)
-class Truncated:
-    """The runner cut the prompt to fit its context (before evaluating any of it): its first ``num_keep`` tokens
-    and its end were kept, ``kept_tokens`` of ``prompt_tokens``."""
-
-    prompt_tokens: int
-    kept_tokens: int
-    num_keep: int
-    num_ctx: int
-
-
 Event = Token | Done | Truncated
-
-
-@dataclass(frozen=True)
-class Embedding:
-    vectors: list[list[float]]
-    prompt_eval_count: int
 
 
 @dataclass(frozen=True)
@@ -223,8 +153,26 @@ class Runner(Protocol):
 
     async def detokenize(self, tokens: list[int]) -> str: ...
 
+    async def token_pieces(self, tokens: list[int]) -> list[Piece]:
+        """Each token's text: a string, or a list of byte values where it is not valid UTF-8 alone."""
+
+    async def rerank(self, query: str, documents: list[str], *, truncate: bool = True) -> tuple[list[float], int]:
+        """Each document's relevance score to ``query`` (a runner loaded with ``LoadSpec.rerank``), and the tokens
+        evaluated."""
+
+    async def slots(self) -> list[SlotInfo]:
+        """The runner's sequence slots (none for an embedding runner)."""
+
     async def close(self) -> None:
         """Stop the runner; memory really comes back (the process ends)."""
 
-    def info(self) -> dict[str, Any]:
-        """What the runner reported after loading (n_ctx_train, n_vocab, gpu layers, buffer sizes...)."""
+    def info(self) -> dict[str, int | str | bool]:
+        """What the runner reported after loading (n_ctx_train, n_vocab, gpu layers, ...: ``RunnerInfo``)."""
+
+    @property
+    def exit_signal(self) -> int | None:
+        """The signal that ended the runner, if one did (a native fault in llama.cpp)."""
+
+    @property
+    def decoded(self) -> bool:
+        """A decode has finished: a crash from now on is not the configuration's first-decode fault."""

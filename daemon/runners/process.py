@@ -22,30 +22,65 @@ import os
 import re
 import sys
 from collections import deque
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
-from daemon.exits import describe_exit
+from daemon.exits import describe_exit, exit_signal
 from daemon.runners.base import (
-    Done,
     Embedding,
     Event,
     GenerateRequest,
     LoadFailed,
     LoadSpec,
     MemoryUse,
+    Piece,
     RunnerCrashed,
     RunnerError,
-    Token,
-    Truncated,
+    RunnerInfo,
+    SlotInfo,
 )
-from daemon.runners.protocol import HEADER, MAX_FRAME, encode
+from daemon.runners.protocol import (
+    HEADER,
+    MAX_FRAME,
+    BatchReply,
+    Call,
+    CancelOp,
+    DetokenizeOp,
+    DoneReply,
+    EmbedOp,
+    EmbedReply,
+    ErrorReply,
+    GenerateOp,
+    LoadedReply,
+    LoadErrorReply,
+    LoadOp,
+    Op,
+    PiecesOp,
+    PiecesReply,
+    ProtocolError,
+    Reply,
+    RerankOp,
+    RerankReply,
+    ShutdownOp,
+    SlotsOp,
+    SlotsReply,
+    StageReply,
+    TextReply,
+    TokenizeOp,
+    TokenReply,
+    TokensReply,
+    TruncatedReply,
+    decode_reply,
+    encode,
+    parse_payload,
+    request_id,
+)
 from errors import InvalidRequest
 from modelfile.params import THREADS_PER_CPU, clamp_num_thread
 
 #: default seconds a load may go without progress (CORRAL_LOAD_TIMEOUT, as OLLAMA_LOAD_TIMEOUT); math.inf = forever
 LOAD_TIMEOUT = 300.0
-_CRASH = object()
+_R = TypeVar("_R", bound=Reply)
 
 
 # The runner's own limits, applied by the child before it imports anything heavy (no preexec_fn: the daemon has
@@ -167,14 +202,15 @@ class ProcessRunner:
         self._env = env
         self._log = log or logging.getLogger("daemon.runner")
         self._proc: asyncio.subprocess.Process | None = None
-        self._info: dict[str, Any] = {}
+        self._info: RunnerInfo | None = None
         self._stderr: deque[str] = deque(maxlen=50)
-        self._queues: dict[int, asyncio.Queue[Any]] = {}
+        # each request's replies; None: the runner is gone
+        self._queues: dict[int, asyncio.Queue[Reply | None]] = {}
         self._next_id = 0
         self._lock = asyncio.Lock()
         self._reader: asyncio.Task[None] | None = None
         self._err_reader: asyncio.Task[None] | None = None
-        self._loaded: asyncio.Future[dict[str, Any]] | None = None
+        self._loaded: asyncio.Future[LoadedReply | LoadErrorReply] | None = None
         self._dead = False
         self._memory = MemoryUse(0, 0)
         self._stage = "start"  # what the runner said it was doing last (load, warm-up, ready)
@@ -193,8 +229,8 @@ class ProcessRunner:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.returncode is None and not self._dead
 
-    def info(self) -> dict[str, Any]:
-        return {k: v for k, v in self._info.items() if k != "log_lines"}
+    def info(self) -> dict[str, int | str | bool]:
+        return self._info.public() if self._info is not None else {}
 
     async def start(self) -> None:
         env = dict(self._env if self._env is not None else os.environ)
@@ -227,7 +263,7 @@ class ProcessRunner:
         self._loaded = asyncio.get_running_loop().create_future()
         self._reader = asyncio.ensure_future(self._read_frames())
         self._err_reader = asyncio.ensure_future(self._read_stderr())
-        self._send({"op": "load", "spec": dataclasses.asdict(self.spec)})
+        self._send(LoadOp(self.spec))
         try:
             msg = await self._wait_loaded()
         except TimeoutError:
@@ -239,15 +275,14 @@ class ProcessRunner:
                 f"CORRAL_LOAD_TIMEOUT (now {limit}; 0 = wait forever) for slow disks or large models, "
                 "and see the daemon log"
             ) from None
-        if msg.get("type") != "loaded":
+        if not isinstance(msg, LoadedReply):
             await self.close()
             code = self._proc.returncode if self._proc else None
-            sig = -code if code is not None and code < 0 else None
+            sig = exit_signal(code)
             # what the runner said (it may hold paths) and its stderr go to the daemon log only
             self._log_stderr(
-                f"could not load {self.spec.model_path} ({describe_exit(code)}): "
-                f"{msg.get('message') or 'the runner exited'}",
-                list(msg.get("log_lines") or []),
+                f"could not load {self.spec.model_path} ({describe_exit(code)}): {msg.message or 'the runner exited'}",
+                list(msg.log_lines),
             )
             if sig is not None:
                 stage = "warm-up" if self._stage == "warm-up" else "load"
@@ -256,15 +291,15 @@ class ProcessRunner:
                     signal=sig,
                     stage=stage,
                 )
-            reason = safe_load_reason([str(x) for x in msg.get("log_lines") or []] + list(self._stderr))
+            reason = safe_load_reason(list(msg.log_lines) + list(self._stderr))
             raise LoadFailed(
                 "llama runner process has terminated: llama.cpp could not load the model: "
                 + (reason or "see the daemon log for details")
             )
-        self._info = msg.get("info") or {}
+        self._info = msg.info
         from daemon.scheduling.memory import parse_llama_log
 
-        sizes = parse_llama_log(self._info.get("log_lines") or [])
+        sizes = parse_llama_log(list(msg.info.log_lines))
         self._memory = MemoryUse(ram=sizes["ram"], vram=sizes["vram"])
         self._log.info(
             "runner loaded pid=%s model=%s ram=%d vram=%d",
@@ -274,7 +309,7 @@ class ProcessRunner:
             self._memory.vram,
         )
 
-    async def _wait_loaded(self) -> dict[str, Any]:
+    async def _wait_loaded(self) -> LoadedReply | LoadErrorReply:
         """The runner's load answer; asyncio.TimeoutError after ``load_timeout`` seconds without progress (a stage
         frame or a log line from the runner restarts the clock)."""
         assert self._loaded is not None
@@ -294,75 +329,59 @@ class ProcessRunner:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Event]:
         # no lock: the runner batches concurrent generations (up to num_parallel at once, the rest wait there)
         rid, q = self._open()
-        # shallow copies, not dataclasses.asdict (which deep-copies every field: a tenth of a millisecond of the
-        # daemon's work per request); JSON writes the tuples as arrays
-        payload = dict(vars(req))
-        payload["params"] = dict(vars(req.params))
-        self._send({"op": "generate", "id": rid, "req": payload})
+        self._send(GenerateOp(rid, req))
         finished = False
         try:
             while True:
                 msg = await q.get()
-                if msg is _CRASH:
+                if msg is None:
                     raise self._crashed()
-                kind = msg.get("type")
-                if kind == "token":
+                if isinstance(msg, TokenReply):
                     self._decoded = True
-                    yield Token(msg["text"], msg.get("logprobs"))
-                elif kind == "done":
+                    yield msg.token
+                elif isinstance(msg, DoneReply):
                     self._decoded = True
                     finished = True
-                    yield Done(
-                        done_reason=msg["done_reason"],
-                        prompt_eval_count=msg["prompt_eval_count"],
-                        prompt_eval_duration=msg["prompt_eval_duration"],
-                        eval_count=msg["eval_count"],
-                        eval_duration=msg["eval_duration"],
-                        context=tuple(msg.get("context") or ()),
-                        stop_sequence=msg.get("stop_sequence"),
-                        prompt_cached=int(msg.get("prompt_cached", 0)),
-                    )
+                    yield msg.done
                     return
-                elif kind == "truncated":  # the prompt was cut to fit the context (said before any token)
-                    yield Truncated(
-                        int(msg["prompt_tokens"]), int(msg["kept_tokens"]), int(msg["num_keep"]), int(msg["num_ctx"])
-                    )
-                elif kind == "error":
+                elif isinstance(msg, TruncatedReply):  # the prompt was cut to fit the context (said before any token)
+                    yield msg.truncated
+                elif isinstance(msg, ErrorReply):
                     finished = True
                     raise self._error(msg)
         finally:
             if not finished and self.alive():
                 # the consumer left early: cancel and wait for the runner to finish this request
-                self._send({"op": "cancel", "id": rid})
+                self._send(CancelOp(rid))
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._drain(q), 30)
             self._queues.pop(rid, None)
 
     async def embed(self, inputs: list[str], *, truncate: bool = True) -> Embedding:
-        msg = await self._call({"op": "embed", "inputs": inputs, "truncate": truncate})
+        msg = await self._call(lambda rid: EmbedOp(rid, tuple(inputs), truncate), EmbedReply)
         self._decoded = True
-        return Embedding(vectors=msg["vectors"], prompt_eval_count=msg["prompt_eval_count"])
+        return msg.embedding
 
-    async def slots(self) -> list[dict[str, Any]]:
+    async def slots(self) -> list[SlotInfo]:
         """The runner's sequence slots: id, busy, and how many tokens its KV cache holds for reuse."""
-        return list((await self._call({"op": "slots"}))["slots"])
+        return list((await self._call(SlotsOp, SlotsReply)).slots)
 
     async def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
-        return list((await self._call({"op": "tokenize", "text": text, "add_special": add_special}))["tokens"])
+        return list((await self._call(lambda rid: TokenizeOp(rid, text, add_special), TokensReply)).tokens)
 
     async def detokenize(self, tokens: list[int]) -> str:
-        return str((await self._call({"op": "detokenize", "tokens": tokens}))["text"])
+        return (await self._call(lambda rid: DetokenizeOp(rid, tuple(tokens)), TextReply)).text
 
     async def rerank(self, query: str, documents: list[str], *, truncate: bool = True) -> tuple[list[float], int]:
         """Each document's relevance score to ``query`` (a runner loaded with ``LoadSpec.rerank``), and the tokens
         evaluated."""
-        msg = await self._call({"op": "rerank", "query": query, "documents": documents, "truncate": truncate})
+        msg = await self._call(lambda rid: RerankOp(rid, query, tuple(documents), truncate), RerankReply)
         self._decoded = True
-        return [float(x) for x in msg["scores"]], int(msg["prompt_eval_count"])
+        return list(msg.scores), msg.prompt_eval_count
 
-    async def token_pieces(self, tokens: list[int]) -> list[Any]:
+    async def token_pieces(self, tokens: list[int]) -> list[Piece]:
         """Each token's text: a string, or a list of byte values where it is not valid UTF-8 alone."""
-        return list((await self._call({"op": "pieces", "tokens": tokens}))["pieces"])
+        return list((await self._call(lambda rid: PiecesOp(rid, tuple(tokens)), PiecesReply)).pieces)
 
     async def close(self) -> None:
         proc = self._proc
@@ -370,7 +389,7 @@ class ProcessRunner:
             return
         if proc.returncode is None:
             with contextlib.suppress(Exception):
-                self._send({"op": "shutdown"})
+                self._send(ShutdownOp())
             try:
                 await asyncio.wait_for(proc.wait(), 5)
             except TimeoutError:
@@ -384,50 +403,53 @@ class ProcessRunner:
                     await asyncio.wait_for(task, 2)
 
     # -- internals -------------------------------------------------------------------------------------------------
-    def _open(self) -> tuple[int, asyncio.Queue[Any]]:
+    def _open(self) -> tuple[int, asyncio.Queue[Reply | None]]:
         if not self.alive():
             raise self._crashed()
         self._next_id += 1
-        q: asyncio.Queue[Any] = asyncio.Queue()
+        q: asyncio.Queue[Reply | None] = asyncio.Queue()
         self._queues[self._next_id] = q
         return self._next_id, q
 
-    async def _drain(self, q: asyncio.Queue[Any]) -> None:
+    async def _drain(self, q: asyncio.Queue[Reply | None]) -> None:
         while True:
             msg = await q.get()
-            if msg is _CRASH or msg.get("type") in ("done", "error"):
+            if msg is None or isinstance(msg, (DoneReply, ErrorReply)):
                 return
 
-    async def _call(self, payload: dict[str, Any]) -> dict[str, Any]:
+    async def _call(self, op: Callable[[int], Call], answer: type[_R]) -> _R:
+        """Send the op made for a new request id, and wait for its one reply: ``answer``, or an error."""
         async with self._lock:
             rid, q = self._open()
             try:
-                self._send({**payload, "id": rid})
+                sent = op(rid)
+                self._send(sent)
                 msg = await q.get()
-                if msg is _CRASH:
+                if msg is None:
                     raise self._crashed()
-                if msg.get("type") == "error":
+                if isinstance(msg, ErrorReply):
                     raise self._error(msg)
+                if not isinstance(msg, answer):
+                    raise RunnerError(f"the runner answered {sent.op} with a {msg.type} reply")
                 return msg
             finally:
                 self._queues.pop(rid, None)
 
-    def _send(self, obj: dict[str, Any]) -> None:
+    def _send(self, op: Op) -> None:
         assert self._proc is not None and self._proc.stdin is not None
         if self._proc.stdin.is_closing():
             raise self._crashed()
-        self._proc.stdin.write(encode(obj))
+        self._proc.stdin.write(encode(op))
 
-    def _error(self, msg: dict[str, Any]) -> Exception:
-        if int(msg.get("status", 500)) == 400:
-            return RunnerRequestError(str(msg.get("message")))
-        return RunnerError(str(msg.get("message")), status=int(msg.get("status", 500)))
+    def _error(self, msg: ErrorReply) -> Exception:
+        if msg.status == 400:
+            return RunnerRequestError(msg.message)
+        return RunnerError(msg.message, status=msg.status)
 
     @property
     def exit_signal(self) -> int | None:
         """The signal that ended the runner, if one did."""
-        code = self._proc.returncode if self._proc else None
-        return -code if code is not None and code < 0 else None
+        return exit_signal(self._proc.returncode if self._proc else None)
 
     @property
     def decoded(self) -> bool:
@@ -463,40 +485,52 @@ class ProcessRunner:
             while True:
                 head = await out.readexactly(HEADER.size)
                 (n,) = HEADER.unpack(head)
-                msg = json.loads(await out.readexactly(n))
-                kind = msg.get("type")
-                if kind == "batch":  # an engine step's messages in one frame (``Channel.send_many``)
-                    queues = self._queues
-                    for one in msg["msgs"]:
-                        q = queues.get(one.get("id", -1))
-                        if q is not None:
-                            q.put_nowait(one)
+                data = await out.readexactly(n)
+                try:
+                    obj = parse_payload(data)
+                    msg = decode_reply(obj)
+                except ProtocolError as exc:
+                    self._malformed(exc, data)
                     continue
-                if kind == "stage":
-                    self._stage = str(msg.get("stage"))
-                    self._progress_at = asyncio.get_running_loop().time()
-                    continue
-                if msg.get("type") in ("loaded", "load_error"):
-                    if self._loaded is not None and not self._loaded.done():
-                        self._loaded.set_result(msg)
-                    continue
-                q = self._queues.get(int(msg.get("id", -1)))
-                if q is not None:
-                    q.put_nowait(msg)
-        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+                self._route(msg)
+        except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
             self._dead = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._proc.wait(), 5)
             if self._loaded is not None and not self._loaded.done():
-                self._loaded.set_result(
-                    {"type": "load_error", "message": f"the runner exited ({describe_exit(self._proc.returncode)})"}
-                )
+                self._loaded.set_result(LoadErrorReply(f"the runner exited ({describe_exit(self._proc.returncode)})"))
             for q in self._queues.values():
-                q.put_nowait(_CRASH)
+                q.put_nowait(None)
             if self._proc.returncode not in (0, None):
                 self._log.warning("runner exited pid=%s %s", self._proc.pid, describe_exit(self._proc.returncode))
+
+    def _route(self, msg: Reply) -> None:
+        """A reply to the request it answers, or to the load in progress."""
+        if isinstance(msg, BatchReply):  # an engine step's replies in one frame (``Channel.send_many``)
+            for one in msg.msgs:
+                self._route(one)
+        elif isinstance(msg, StageReply):
+            self._stage = msg.stage
+            self._progress_at = asyncio.get_running_loop().time()
+        elif isinstance(msg, (LoadedReply, LoadErrorReply)):
+            if self._loaded is not None and not self._loaded.done():
+                self._loaded.set_result(msg)
+        else:
+            q = self._queues.get(msg.id)
+            if q is not None:
+                q.put_nowait(msg)
+
+    def _malformed(self, exc: ProtocolError, data: bytes) -> None:
+        """A frame the daemon cannot read (a bug in one side of the protocol): logged, and the request it names,
+        if any, fails alone; the runner goes on serving the others."""
+        self._log.error("runner pid=%s sent a malformed frame: %s", self.pid, exc)
+        with contextlib.suppress(ProtocolError):
+            rid = request_id(parse_payload(data))
+            q = self._queues.get(rid) if rid is not None else None
+            if q is not None:
+                q.put_nowait(ErrorReply(rid or 0, f"the runner sent a malformed reply: {exc}", 500))
 
     async def _read_stderr(self) -> None:
         assert self._proc is not None and self._proc.stderr is not None

@@ -127,7 +127,7 @@ class Lease:
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._scheduler._release(self.entry)
+            self._scheduler.release(self.entry)
 
     def may_retry(self, exc: BaseException) -> bool:
         """Whether a request whose runner just died can run again on a safer configuration: the runner died by
@@ -154,10 +154,10 @@ class Lease:
         """Record that this runner's configuration crashed, and hold a runner loaded one step safer instead."""
         self._scheduler.first_decode_crashed(self.entry, exc)
         self.release()
-        started = self._scheduler._clock()
+        started = self._scheduler.clock()
         fresh = await self._scheduler.acquire(self.ref, self.spec, self.keep_alive)
         self.entry, self.runner, self._released = fresh.entry, fresh.runner, False
-        self.load_duration += self._scheduler._clock() - started
+        self.load_duration += self._scheduler.clock() - started
         self.retries += 1
 
     async def __aenter__(self) -> Lease:
@@ -188,7 +188,7 @@ class Scheduler:
         self._estimate = estimate
         self._budget = budget
         self.default_keep_alive = default_keep_alive
-        self._clock = clock
+        self.clock = clock  # monotonic seconds (injected: tests step it)
         self._wall = wall_clock
         self.fallbacks = fallbacks
         self._loaded: dict[str, Entry] = {}
@@ -228,14 +228,14 @@ class Scheduler:
             raise blocked
         if self.waiting() >= self._max_queue:
             raise QueueFull()
-        started = self._clock()
+        started = self.clock()
         entry = self._loaded.get(ref.key)
         if entry is not None and entry.spec == spec and not entry.unload_when_idle:
             if entry.loading and entry.ready is not None:
                 await asyncio.shield(entry.ready)
             if self._loaded.get(ref.key) is entry and entry.runner.alive():
                 self._grant(entry, keep_alive, ref)
-                return Lease(self, entry, self._clock() - started, ref=ref, spec=spec, keep_alive=keep_alive)
+                return Lease(self, entry, self.clock() - started, ref=ref, spec=spec, keep_alive=keep_alive)
         future: asyncio.Future[Entry] = asyncio.get_running_loop().create_future()
         try:
             self._queue.put_nowait(_Pending(ref, spec, keep_alive, future))
@@ -246,10 +246,10 @@ class Scheduler:
             entry = await future
         except asyncio.CancelledError:
             if future.done() and not future.cancelled() and future.exception() is None:
-                self._release(future.result())  # granted just as the client left
+                self.release(future.result())  # granted just as the client left
             future.cancel()
             raise
-        return Lease(self, entry, self._clock() - started, ref=ref, spec=spec, keep_alive=keep_alive)
+        return Lease(self, entry, self.clock() - started, ref=ref, spec=spec, keep_alive=keep_alive)
 
     def queue_depth(self) -> int:
         return self._queue.qsize()
@@ -274,7 +274,7 @@ class Scheduler:
 
     def loaded(self) -> list[dict[str, Any]]:
         """What /api/ps shows, expiring last first."""
-        now_c, now_w = self._clock(), self._wall()
+        now_c, now_w = self.clock(), self._wall()
         out: list[dict[str, Any]] = []
         for e in self._loaded.values():
             if e.refs > 0 or e.loading or e.expires_at is None:
@@ -288,7 +288,7 @@ class Scheduler:
     # -- internals ---------------------------------------------------------------------------------------------
     def _grant(self, entry: Entry, keep_alive: float | None, ref: ModelRef | None = None) -> None:
         entry.refs += 1
-        entry.last_used = self._clock()
+        entry.last_used = self.clock()
         if ref is not None:
             entry.ref = ref  # ps names the runner after the model that used it last
             entry.names[ref.name] = entry.last_used
@@ -299,9 +299,10 @@ class Scheduler:
             entry.timer = None
         entry.expires_at = None
 
-    def _release(self, entry: Entry) -> None:
+    def release(self, entry: Entry) -> None:
+        """One hold on ``entry`` ends (``Lease.release``): when it was the last, its keep-alive starts."""
         entry.refs = max(0, entry.refs - 1)
-        entry.last_used = self._clock()
+        entry.last_used = self.clock()
         self._changed.set()
         if entry.refs > 0 or self._loaded.get(entry.ref.key) is not entry:
             return
@@ -310,7 +311,7 @@ class Scheduler:
         if entry.keep_alive <= 0 or entry.unload_when_idle or not entry.runner.alive():
             self._spawn(self._unload(entry, reason="keep_alive" if entry.runner.alive() else "crashed"))
         elif entry.keep_alive != FOREVER:
-            entry.expires_at = self._clock() + entry.keep_alive
+            entry.expires_at = self.clock() + entry.keep_alive
             entry.timer = asyncio.get_running_loop().call_later(
                 entry.keep_alive, lambda: self._spawn(self._expire(entry))
             )
@@ -410,7 +411,7 @@ class Scheduler:
             p.future.set_exception(blocked)
             return
         effective, note = self.fallbacks.effective(p.spec) if self.fallbacks is not None else (p.spec, None)
-        now = self._clock()
+        now = self.clock()
         keep = p.keep_alive if p.keep_alive is not None else self.default_keep_alive
         entry = Entry(
             ref=p.ref,
@@ -477,7 +478,7 @@ class Scheduler:
         )
         if p.future.done():  # the client left while we loaded: keep it warm for the keep-alive
             entry.refs += 1
-            self._release(entry)
+            self.release(entry)
             return
         self._grant(entry, p.keep_alive, p.ref)
         p.future.set_result(entry)
@@ -522,8 +523,8 @@ class Scheduler:
 
     def _note_crash(self, entry: Entry) -> None:
         """A runner that had served died: count it towards a crash loop (daemon/scheduling/fallback.py)."""
-        sig = getattr(entry.runner, "exit_signal", None)
-        if self.fallbacks is None or not getattr(entry.runner, "decoded", False) or entry.crash_counted:
+        sig = entry.runner.exit_signal
+        if self.fallbacks is None or not entry.runner.decoded or entry.crash_counted:
             return
         entry.crash_counted = True
         what = f"killed by {signal_name(sig)}" if sig else "the runner exited"

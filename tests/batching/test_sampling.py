@@ -6,6 +6,12 @@ import numpy as np
 import pytest
 
 from daemon.llama.sampling import SeqSampler, apply_penalties, logprobs, sample_rows
+from daemon.runners.protocol import SampleParams
+
+
+def sampler(num_ctx: int = 512, **options: float) -> SeqSampler:
+    """A sequence's sampler for these options (``SampleParams`` field names), as the engine builds it."""
+    return SeqSampler.of(SampleParams(**options), num_ctx)  # type: ignore[arg-type]
 
 
 def rows(n: int, vocab: int = 1000, seed: int = 0) -> np.ndarray:
@@ -14,55 +20,55 @@ def rows(n: int, vocab: int = 1000, seed: int = 0) -> np.ndarray:
 
 def test_greedy_is_argmax() -> None:
     x = rows(3)
-    out = sample_rows(x.copy(), [SeqSampler(temperature=0, repeat_penalty=1.0)] * 3, [[], [], []])
+    out = sample_rows(x.copy(), [sampler(temperature=0, repeat_penalty=1.0)] * 3, [[], [], []])
     assert out == np.argmax(x, axis=1).tolist()
 
 
 def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch() -> None:
     x = rows(4, seed=3)
     params = {"temperature": 0.9, "top_k": 50, "top_p": 0.9, "seed": 7, "repeat_penalty": 1.0}
-    alone = [sample_rows(x[2:3].copy(), [SeqSampler.from_params(params, 512)], [[]])[0] for _ in range(3)]
-    others = [SeqSampler.from_params({"temperature": t, "seed": i}, 512) for i, t in enumerate((0.0, 1.5, 0.5))]
+    alone = [sample_rows(x[2:3].copy(), [sampler(**params)], [[]])[0] for _ in range(3)]
+    others = [sampler(temperature=t, seed=i) for i, t in enumerate((0.0, 1.5, 0.5))]
     mixed = []
     for _ in range(3):
-        batch = [others[0], others[1], SeqSampler.from_params(params, 512), others[2]]
+        batch = [others[0], others[1], sampler(**params), others[2]]
         mixed.append(sample_rows(x.copy(), batch, [[]] * 4)[2])
     assert alone == mixed
 
 
 def test_top_k_one_is_greedy_and_top_k_bounds_the_choice() -> None:
     x = rows(1, seed=5)
-    assert sample_rows(x.copy(), [SeqSampler(temperature=5.0, top_k=1, repeat_penalty=1.0)], [[]]) == [
+    assert sample_rows(x.copy(), [sampler(temperature=5.0, top_k=1, repeat_penalty=1.0)], [[]]) == [
         int(np.argmax(x[0]))
     ]
     top5 = set(np.argsort(-x[0])[:5].tolist())
-    s = SeqSampler(temperature=3.0, top_k=5, top_p=1.0, repeat_penalty=1.0, rng=np.random.default_rng(1))
+    s = sampler(temperature=3.0, top_k=5, top_p=1.0, repeat_penalty=1.0, seed=1)
     assert all(sample_rows(x.copy(), [s], [[]])[0] in top5 for _ in range(200))
 
 
 def test_top_p_and_min_p_cut_the_tail() -> None:
     x = np.full((1, 10), -10.0, dtype=np.float32)
     x[0, 3], x[0, 7] = 5.0, 4.0  # two likely tokens, the rest negligible
-    s = SeqSampler(temperature=1.0, top_k=0, top_p=0.5, repeat_penalty=1.0, rng=np.random.default_rng(0))
+    s = sampler(temperature=1.0, top_k=0, top_p=0.5, repeat_penalty=1.0, seed=0)
     assert {sample_rows(x.copy(), [s], [[]])[0] for _ in range(100)} == {3}
-    m = SeqSampler(temperature=1.0, top_k=0, top_p=1.0, min_p=0.2, repeat_penalty=1.0, rng=np.random.default_rng(0))
+    m = sampler(temperature=1.0, top_k=0, top_p=1.0, min_p=0.2, repeat_penalty=1.0, seed=0)
     assert {sample_rows(x.copy(), [m], [[]])[0] for _ in range(300)} == {3, 7}
 
 
 def test_penalties_follow_llama_cpp() -> None:
     row = np.array([2.0, -2.0, 1.0, 0.5], dtype=np.float32)
-    apply_penalties(row, [0, 1, 0], SeqSampler(repeat_penalty=2.0, frequency_penalty=0.1, presence_penalty=0.5))
+    apply_penalties(row, [0, 1, 0], sampler(repeat_penalty=2.0, frequency_penalty=0.1, presence_penalty=0.5))
     assert row.tolist() == pytest.approx([2.0 / 2 - 0.2 - 0.5, -2.0 * 2 - 0.1 - 0.5, 1.0, 0.5])
     x = np.zeros((1, 4), dtype=np.float32)
     x[0, 0] = 1.0
     x[0, 1] = 0.9
-    s = SeqSampler(temperature=0, repeat_penalty=1.5, repeat_last_n=64)
+    s = sampler(temperature=0, repeat_penalty=1.5, repeat_last_n=64)
     assert sample_rows(x, [s], [[0, 0]]) == [1]  # the repeated token loses its lead
 
 
 def test_typical_samples_valid_tokens() -> None:
     x = rows(2, seed=9)
-    t = SeqSampler(temperature=1.0, typical_p=0.5, repeat_penalty=1.0, rng=np.random.default_rng(3))
+    t = sampler(temperature=1.0, typical_p=0.5, repeat_penalty=1.0, seed=3)
     assert 0 <= sample_rows(x[1:].copy(), [t], [[]])[0] < 1000
 
 
@@ -77,15 +83,16 @@ def reference_distribution(row: np.ndarray, s: SeqSampler) -> dict[int, float]:
     """Ollama's truncation done the slow, obvious way: sort the whole row, top-k, temperature, softmax over what
     top-k kept, top-p, min-p; the probabilities of the tokens left, renormalised."""
     order = np.argsort(-row, kind="stable")
-    k = s.top_k if 0 < s.top_k < row.shape[0] else row.shape[0]
+    p = s.params
+    k = p.top_k if 0 < p.top_k < row.shape[0] else row.shape[0]
     kept = order[:k]
-    x = row[kept].astype(np.float64) / s.temperature
-    p = np.exp(x - x.max())
-    p /= p.sum()
-    cum = np.cumsum(p)
-    keep = ((cum - p) < (s.top_p if s.top_p < 1.0 else np.inf)) & (p >= s.min_p * p[0])
+    x = row[kept].astype(np.float64) / p.temperature
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    cum = np.cumsum(probs)
+    keep = ((cum - probs) < (p.top_p if p.top_p < 1.0 else np.inf)) & (probs >= p.min_p * probs[0])
     keep[0] = True
-    q = np.where(keep, p, 0.0)
+    q = np.where(keep, probs, 0.0)
     return {int(t): float(v / q.sum()) for t, v in zip(kept, q, strict=True) if v > 0}
 
 
@@ -103,7 +110,7 @@ def reference_distribution(row: np.ndarray, s: SeqSampler) -> dict[int, float]:
 def test_sampled_frequencies_match_the_exact_distribution(params: dict[str, float]) -> None:
     vocab = 6000
     x = rows(1, vocab=vocab, seed=11)
-    s = SeqSampler.from_params({"repeat_penalty": 1.0, "seed": 5, **params}, 512)
+    s = sampler(**{"repeat_penalty": 1.0, "seed": 5, **params})
     ref = reference_distribution(x[0], s)
     draws = 4000
     counts: dict[int, int] = {}
@@ -149,18 +156,18 @@ def test_top_candidates_are_the_exact_top_k() -> None:
 
 # -- logit_bias ---------------------------------------------------------------------------------------------------
 def biased(pairs: dict[int, float], vocab: int = 1000, **kw: float) -> SeqSampler:
+    """A sampler with a logit_bias, parsed on the daemon's side and turned into arrays by the runner."""
     from daemon.llama.sampling import bias_arrays
     from daemon.runners.base import parse_logit_bias
 
-    s = SeqSampler(repeat_penalty=1.0, **kw)  # type: ignore[arg-type]
-    s.bias = bias_arrays(parse_logit_bias({str(k): v for k, v in pairs.items()}), vocab)
-    return s
+    bias = bias_arrays(parse_logit_bias({str(k): v for k, v in pairs.items()}), vocab)
+    return SeqSampler.of(SampleParams(**{"repeat_penalty": 1.0, **kw}), 512, bias)  # type: ignore[arg-type]
 
 
 def test_logit_bias_bans_and_forces_including_greedy() -> None:
     x = rows(3, seed=21)
     best = np.argmax(x, axis=1).tolist()
-    plain = SeqSampler(temperature=0, repeat_penalty=1.0)
+    plain = sampler(temperature=0, repeat_penalty=1.0)
     ban = biased({best[1]: -100}, temperature=0)
     force = biased({7: 100}, temperature=0)
     # a biased row and two plain ones in the same batch: each row gets only its own bias
@@ -172,8 +179,8 @@ def test_logit_bias_bans_and_forces_including_greedy() -> None:
     y[0, 5] = 1e6
     for temp in (0.0, 0.7, 2.0):
         for top_k in (40, 0):
-            s = biased({5: -100}, temperature=temp, top_k=top_k, top_p=1.0, rng=np.random.default_rng(1))
-            f = biased({11: 100}, temperature=temp, top_k=top_k, top_p=0.9, rng=np.random.default_rng(1))
+            s = biased({5: -100}, temperature=temp, top_k=top_k, top_p=1.0, seed=1)
+            f = biased({11: 100}, temperature=temp, top_k=top_k, top_p=0.9, seed=1)
             assert all(sample_rows(y[:1].copy(), [s], [[]])[0] != 5 for _ in range(30))
             assert all(sample_rows(x[:1].copy(), [f], [[]])[0] == 11 for _ in range(30))
 
@@ -182,11 +189,11 @@ def test_logit_bias_is_added_before_penalties_and_shifts_the_distribution() -> N
     row = np.array([[1.0, 0.0, 0.5, -1.0]], dtype=np.float32)
     s = biased({1: 2.0, 3: -100.0}, vocab=4, temperature=0)
     assert sample_rows(row.copy(), [s], [[]]) == [1]  # 0 + 2 beats 1
-    s.repeat_penalty, s.repeat_last_n = 2.0, 64
+    s = biased({1: 2.0, 3: -100.0}, vocab=4, temperature=0, repeat_penalty=2.0, repeat_last_n=64)
     assert sample_rows(row.copy(), [s], [[1]]) == [0]  # (0 + 2) / 2 = 1, and 1 wins the tie by id
     # at temperature 1 the bias moves probability as exp(bias): a +ln(3) bias on one of two equal tokens gives 3:1
     two = np.zeros((1, 2), dtype=np.float32)
-    t = biased({0: float(np.log(3.0))}, vocab=2, temperature=1.0, top_k=0, top_p=1.0, rng=np.random.default_rng(4))
+    t = biased({0: float(np.log(3.0))}, vocab=2, temperature=1.0, top_k=0, top_p=1.0, seed=4)
     share = np.mean([sample_rows(two.copy(), [t], [[]])[0] == 0 for _ in range(4000)])
     assert share == pytest.approx(0.75, abs=0.03)
 
@@ -198,7 +205,7 @@ def test_logit_bias_leaves_unbiased_rows_on_the_vectorised_path(monkeypatch: pyt
     real = sampling.apply_bias
     monkeypatch.setattr(sampling, "apply_bias", lambda row, bias: (calls.append(1), real(row, bias)))
     x = rows(4, seed=2)
-    greedy = [SeqSampler(temperature=0, repeat_penalty=1.0) for _ in range(4)]
+    greedy = [sampler(temperature=0, repeat_penalty=1.0) for _ in range(4)]
     assert sample_rows(x.copy(), greedy, [[]] * 4) == np.argmax(x, axis=1).tolist() and not calls
     assert (
         sample_rows(x.copy(), [*greedy[:3], biased({0: 1.0}, temperature=0)], [[]] * 4)[:3]

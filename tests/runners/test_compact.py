@@ -9,13 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from daemon.llama.engine import COMPACT_MIN_LEFT
-from daemon.runners.base import LoadSpec
+from daemon.runners.protocol import GenerateOp, GenerateRequest, LoadSpec, SampleParams
 from tests.runners.test_compute_thread import Chan, load
 
 
 def request(runner: Any, rid: int, prompt: str, tokens: int) -> None:
-    params = {"num_predict": tokens, "temperature": 0}
-    runner.handle({"op": "generate", "id": rid, "req": {"prompt": prompt, "params": params}})
+    runner.handle(GenerateOp(rid, GenerateRequest(prompt, SampleParams(num_predict=tokens, temperature=0))))
 
 
 def tokens_of(chan: Chan, rid: int) -> tuple[str, str]:
@@ -55,7 +54,7 @@ def test_a_gap_is_closed_and_the_moved_sequence_is_unchanged(tiny_gguf: Path) ->
             request(runner, 3, "the third one", long)
         for rid in (1, 2, 3):
             wait_done(chan, rid)
-        slots = {s["id"]: s["cached_tokens"] for s in engine.slots_info()}
+        slots = {s.id: s.cached_tokens for s in engine.slots_info()}
         # the third request went on in slot 1 once the short one left it: slot 1 holds all of it, slot 2 what it
         # held when it moved (without the move, slot 1 would hold the short request and slot 2 the third)
         assert slots[1] > slots[2] > slots[1] - long

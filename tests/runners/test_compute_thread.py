@@ -6,7 +6,6 @@ every later token pays for it (issue 19: 10-12 ms a token of SmolLM2 on 2 cores 
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 
 from daemon.llama.engine import FIRST_TOKEN_PAUSE, EngineError
 from daemon.llama.runner import Runner
-from daemon.runners.base import LoadSpec
+from daemon.runners.protocol import GenerateOp, GenerateRequest, LoadSpec, Reply, SampleParams, wire
 from tests.models import smollm2_path
 
 # Runners made here stay referenced for the whole session: each installs its log callback in llama.cpp, which must
@@ -28,14 +27,15 @@ class Chan:
     """The runner's channel to the daemon, kept in memory (with the time each message came)."""
 
     def __init__(self) -> None:
-        self.msgs: list[dict[str, Any]] = []
+        self.msgs: list[dict[str, Any]] = []  # each reply as it goes over the pipe (``protocol.wire``)
         self.times: list[float] = []
         self.done = threading.Event()
 
-    def send(self, obj: dict[str, Any]) -> None:
-        self.send_many([obj])
+    def send(self, reply: Reply) -> None:
+        self.send_many([reply])
 
-    def send_many(self, objs: list[dict[str, Any]]) -> None:
+    def send_many(self, replies: list[Reply]) -> None:
+        objs = [wire(r) for r in replies]
         self.msgs += objs
         self.times += [time.monotonic()] * len(objs)
         if any(o.get("type") in ("done", "error") for o in objs):
@@ -62,14 +62,13 @@ def load(spec: LoadSpec, chan: Chan) -> tuple[Runner, Decodes]:
     _KEEP.append(runner)
     decodes = Decodes(runner.lc)
     runner.lc = decodes
-    runner.load(dataclasses.asdict(spec))
+    runner.load(spec)
     return runner, decodes
 
 
 def generate(runner: Runner, chan: Chan, rid: int, prompt: str, tokens: int = 4) -> None:
     chan.done.clear()
-    params = {"num_predict": tokens, "temperature": 0}
-    runner.handle({"op": "generate", "id": rid, "req": {"prompt": prompt, "params": params}})
+    runner.handle(GenerateOp(rid, GenerateRequest(prompt, SampleParams(num_predict=tokens, temperature=0))))
     assert chan.done.wait(60)
     assert not [m for m in chan.msgs if m.get("type") == "error"]
 

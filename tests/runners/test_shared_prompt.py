@@ -8,7 +8,6 @@ The count of evaluated tokens is llama.cpp's own: every token of every ``llama_d
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import threading
 import time
@@ -20,7 +19,7 @@ import pytest
 
 from daemon.llama.engine import MIN_GAIN
 from daemon.llama.runner import Runner
-from daemon.runners.base import LoadSpec
+from daemon.runners.protocol import GenerateOp, GenerateRequest, LoadSpec, SampleParams
 from tests.models import smollm2_path, write_tiny_gguf
 from tests.runners.test_compute_thread import _KEEP, Chan
 
@@ -60,7 +59,7 @@ def start(model: Path, **spec: Any) -> tuple[Runner, Chan, Counted]:
     _KEEP.append(runner)  # its log callback must outlive any later llama.cpp call in this process
     counted = Counted(runner.lc)
     runner.lc = counted  # type: ignore[assignment]
-    runner.load(dataclasses.asdict(LoadSpec(model_path=str(model), **spec)))
+    runner.load(LoadSpec(model_path=str(model), **spec))
     counted.tokens = counted.decodes = 0  # not the warm-up
     return runner, chan, counted
 
@@ -79,8 +78,8 @@ def prompt_of(n: int, seed: int = 0) -> list[int]:
     return [rng.randrange(10, 290) for _ in range(n)]
 
 
-def params(**kw: Any) -> dict[str, Any]:
-    return {"num_predict": PREDICT, "temperature": 0, "repeat_penalty": 1.0, **kw}
+def params(**kw: Any) -> SampleParams:
+    return SampleParams(**{"num_predict": PREDICT, "temperature": 0, "repeat_penalty": 1.0, **kw})
 
 
 def wait_done(chan: Chan, rids: list[int], timeout: float = 120) -> dict[int, dict[str, Any]]:
@@ -97,7 +96,7 @@ def text_of(chan: Chan, rid: int) -> str:
     return "".join(m["text"] for m in chan.msgs if m.get("id") == rid and m.get("type") == "token")
 
 
-def together(runner: Runner, jobs: list[tuple[int, list[int], dict[str, Any]]]) -> None:
+def together(runner: Runner, jobs: list[tuple[int, list[int], SampleParams]]) -> None:
     """Submit the jobs so that the engine admits them in one go (as the daemon's fan-out of ``n`` choices)."""
     engine = runner.engine
     engine.call(lambda: None)  # the engine is up and idle
@@ -106,7 +105,7 @@ def together(runner: Runner, jobs: list[tuple[int, list[int], dict[str, Any]]]) 
             engine.submit(rid, prompt, p)
 
 
-def alone(model: Path, prompt: list[int], p: dict[str, Any], **spec: Any) -> str:
+def alone(model: Path, prompt: list[int], p: SampleParams, **spec: Any) -> str:
     r, chan, _ = start(model, **spec)
     try:
         r.engine.submit(1, prompt, p)
@@ -260,8 +259,8 @@ def test_images_are_shared_only_with_the_same_image() -> None:
     images = {"A": base64.b64encode(image_bytes(0)).decode(), "B": base64.b64encode(image_bytes(1)).decode()}
     greedy = params(num_predict=12)
 
-    def req(rid: int, image: str) -> dict[str, Any]:
-        return {"op": "generate", "id": rid, "req": {"prompt": prompt, "images": [images[image]], "params": greedy}}
+    def req(rid: int, image: str) -> GenerateOp:
+        return GenerateOp(rid, GenerateRequest(prompt, greedy, images=(images[image],)))
 
     r, chan, _ = start(SMOL, **spec)
     try:
@@ -269,7 +268,7 @@ def test_images_are_shared_only_with_the_same_image() -> None:
             r.handle(req(rid, image))
             assert wait_done(chan, [rid])[rid]["type"] == "done"
         expected = {"A": text_of(chan, 1), "B": text_of(chan, 2)}
-        media = r._media_prompt(req(0, "A")["req"])
+        media = r._media_prompt(req(0, "A").req)
         keys = media.cache_key()
         media.close()
     finally:

@@ -11,7 +11,20 @@ from pathlib import Path
 from typing import Any
 
 from daemon.llama.engine import merge_pieces
-from daemon.runners.base import LoadSpec
+from daemon.runners.protocol import (
+    Done,
+    DoneReply,
+    ErrorReply,
+    GenerateOp,
+    GenerateRequest,
+    JSONObject,
+    LoadSpec,
+    Reply,
+    SampleParams,
+    Token,
+    TokenReply,
+    wire,
+)
 from tests.runners.test_compute_thread import Chan, load
 
 
@@ -22,9 +35,9 @@ class Frames(Chan):
         super().__init__()
         self.frames: list[list[dict[str, Any]]] = []
 
-    def send_many(self, objs: list[dict[str, Any]]) -> None:
-        self.frames.append(list(objs))
-        super().send_many(objs)
+    def send_many(self, replies: list[Reply]) -> None:
+        self.frames.append([wire(r) for r in replies])
+        super().send_many(replies)
 
 
 def run(tiny_gguf: Path, interval: float, tokens: int) -> Frames:
@@ -37,8 +50,8 @@ def run(tiny_gguf: Path, interval: float, tokens: int) -> Frames:
         chan.frames.clear()
         chan.msgs.clear()
         chan.done.clear()
-        params = {"num_predict": tokens, "temperature": 0}
-        runner.handle({"op": "generate", "id": 1, "req": {"prompt": "tell me a story", "params": params}})
+        params = SampleParams(num_predict=tokens, temperature=0)
+        runner.handle(GenerateOp(1, GenerateRequest("tell me a story", params)))
         assert chan.done.wait(60)
         time.sleep(0.05)  # nothing else may follow the end
     finally:
@@ -80,10 +93,12 @@ def test_a_short_interval_still_sends_while_the_sequence_runs(tiny_gguf: Path) -
 
 
 def test_merge_pieces_joins_a_streams_plain_pieces_in_order_and_nothing_else() -> None:
-    def tok(rid: int, text: str, **extra: Any) -> dict[str, Any]:
-        return {"id": rid, "type": "token", "text": text, **extra}
+    def tok(rid: int, text: str, logprobs: JSONObject | None = None) -> TokenReply:
+        return TokenReply(rid, Token(text, logprobs))
 
-    lp = {"token": "c", "logprob": -0.5}
+    done = DoneReply(2, Done("stop", 1, 1, 2, 1))
+    error = ErrorReply(3, "no")
+    lp: JSONObject = {"token": "c", "logprob": -0.5}
     out = [
         tok(1, "a"),
         tok(2, "x"),
@@ -92,8 +107,8 @@ def test_merge_pieces_joins_a_streams_plain_pieces_in_order_and_nothing_else() -
         tok(1, "c", logprobs=lp),  # a token's logprobs stay with it
         tok(1, "d"),
         tok(1, "e"),
-        {"id": 2, "type": "done", "eval_count": 2},
-        {"id": 3, "type": "error", "message": "no"},
+        done,
+        error,
         tok(3, "z"),
     ]
     assert merge_pieces(out) == [
@@ -101,13 +116,10 @@ def test_merge_pieces_joins_a_streams_plain_pieces_in_order_and_nothing_else() -
         tok(2, "xy"),
         tok(1, "c", logprobs=lp),
         tok(1, "de"),
-        {"id": 2, "type": "done", "eval_count": 2},
-        {"id": 3, "type": "error", "message": "no"},
+        done,
+        error,
         tok(3, "z"),
     ]
     # an end is never overtaken: a piece after another message of its stream starts a new message after it
-    assert merge_pieces([tok(1, "a"), {"id": 1, "type": "done"}, tok(1, "b")]) == [
-        tok(1, "a"),
-        {"id": 1, "type": "done"},
-        tok(1, "b"),
-    ]
+    end = DoneReply(1, Done("stop", 1, 1, 1, 1))
+    assert merge_pieces([tok(1, "a"), end, tok(1, "b")]) == [tok(1, "a"), end, tok(1, "b")]

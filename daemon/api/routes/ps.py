@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from daemon.runners.base import Runner
 from errors import CorralError
 
 router = APIRouter()
@@ -21,14 +22,14 @@ def _rfc3339_wall(ts: float) -> str:
     return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond:06d}000" + zone
 
 
-async def _slots(runner: Any) -> list[dict[str, Any]] | None:
-    ask = getattr(runner, "slots", None)
-    if ask is None or not runner.alive():
+async def _slots(runner: Runner) -> list[dict[str, Any]] | None:
+    if not runner.alive():
         return None
     try:
-        return list(await asyncio.wait_for(ask(), 2.0))
+        slots = await asyncio.wait_for(runner.slots(), 2.0)
     except (TimeoutError, CorralError):
         return None
+    return [{"id": s.id, "busy": s.busy, "cached_tokens": s.cached_tokens} for s in slots]
 
 
 @router.get("/api/ps")
