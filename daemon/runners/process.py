@@ -22,7 +22,7 @@ import os
 import re
 import sys
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TypeVar
 
 from daemon.exits import describe_exit, exit_signal
@@ -164,6 +164,25 @@ _NESTED = re.compile(
 TAIL_LINES = 20  # stderr lines written to the daemon log when a runner fails
 
 
+_BUFFER_SIZE = re.compile(r"(\w+?)(?:_Mapped)?\s+(model|KV|compute|output|RS) buffer size\s*=\s*([\d.]+)\s*MiB")
+
+
+def parse_llama_log(lines: Iterable[str]) -> MemoryUse:
+    """Sum llama.cpp's "<device> <kind> buffer size = N MiB" lines (a runner's load log) into the bytes of RAM and
+    VRAM the model takes."""
+    ram = vram = 0
+    for line in lines:
+        m = _BUFFER_SIZE.search(line)
+        if not m:
+            continue
+        device, size = m.group(1), int(float(m.group(3)) * (1 << 20))
+        if device.upper().startswith("CPU"):
+            ram += size
+        else:
+            vram += size
+    return MemoryUse(ram=ram, vram=vram)
+
+
 def safe_load_reason(lines: list[str]) -> str | None:
     """llama.cpp's reason for refusing the model, from its log lines, when it is one of the known path-free
     messages; else None (the client is told to see the daemon log)."""
@@ -297,10 +316,7 @@ class ProcessRunner:
                 + (reason or "see the daemon log for details")
             )
         self._info = msg.info
-        from daemon.scheduling.memory import parse_llama_log
-
-        sizes = parse_llama_log(list(msg.info.log_lines))
-        self._memory = MemoryUse(ram=sizes["ram"], vram=sizes["vram"])
+        self._memory = parse_llama_log(msg.info.log_lines)
         self._log.info(
             "runner loaded pid=%s model=%s ram=%d vram=%d",
             self.pid,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 import threading
 import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from registry.gguf import MAX_LAYERS, GGUFInfo
@@ -240,21 +239,3 @@ def choose_gpu_layers(
         else:
             hi = mid - 1
     return lo
-
-
-_SIMPLE = re.compile(r"(\w+?)(?:_Mapped)?\s+(model|KV|compute|output|RS) buffer size\s*=\s*([\d.]+)\s*MiB")
-
-
-def parse_llama_log(lines: Iterable[str]) -> dict[str, int]:
-    """Sum llama.cpp's "<device> <kind> buffer size = N MiB" lines into {"ram": bytes, "vram": bytes}."""
-    ram = vram = 0
-    for line in lines:
-        m = _SIMPLE.search(line)
-        if not m:
-            continue
-        device, size = m.group(1), int(float(m.group(3)) * (1 << 20))
-        if device.upper().startswith("CPU"):
-            ram += size
-        else:
-            vram += size
-    return {"ram": ram, "vram": vram}

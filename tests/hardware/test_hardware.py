@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from daemon.hardware import GPU, Hardware, budgets, describe, detect
-from daemon.scheduling.memory import choose_gpu_layers, estimate, parse_llama_log
+from daemon.runners.process import parse_llama_log
+from daemon.scheduling.memory import choose_gpu_layers, estimate
 from registry.gguf import read_gguf_file
 from tests.models import smollm2_path
 
@@ -52,8 +53,8 @@ def test_parse_llama_log() -> None:
         "sched_reserve:        CPU compute buffer size =    99.38 MiB",
     ]
     out = parse_llama_log(lines)
-    assert out["vram"] == 10 << 20
-    assert abs(out["ram"] - int((92.10 + 45 + 99.38) * (1 << 20))) < 10
+    assert out.vram == 10 << 20
+    assert abs(out.ram - int((92.10 + 45 + 99.38) * (1 << 20))) < 10
 
 
 def llama_reported(path: Path, n_ctx: int) -> int:
@@ -61,8 +62,8 @@ def llama_reported(path: Path, n_ctx: int) -> int:
 
     _, stderr = run_llama(dict(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_gpu_layers=0, verbose=True))
     sizes = parse_llama_log(stderr.splitlines())
-    assert sizes["ram"] > 0, stderr[-2000:]
-    return sizes["ram"] + sizes["vram"]
+    assert sizes.ram > 0, stderr[-2000:]
+    return sizes.total
 
 
 @pytest.mark.parametrize("n_ctx", [512, 2048])
