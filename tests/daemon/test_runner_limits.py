@@ -40,7 +40,9 @@ def proc_limits(pid: int) -> dict[str, tuple[str, str]]:
 
 
 def runner_of(d: Daemon) -> psutil.Process:
-    kids = [p for p in psutil.Process(d.proc.pid).children(recursive=True) if "llama_cpp" in " ".join(p.cmdline())]
+    kids = [
+        p for p in psutil.Process(d.proc.pid).children(recursive=True) if "daemon.llama.runner" in " ".join(p.cmdline())
+    ]
     assert len(kids) == 1, [p.cmdline() for p in kids]
     return kids[0]
 
