@@ -66,11 +66,7 @@ async def run_rerank(inf: Inference, body: dict[str, Any], started: float) -> di
     opts = inf.options(ctx, get(body, "options", "dict"))
     spec = dataclasses.replace(inf.load_spec(ctx, opts, embedding=True), rerank=True)
     async with await inf.acquire(ctx, spec, keep_alive_value(body.get("keep_alive"))) as lease:
-        scores, count = await lease.call(
-            lambda runner: runner.rerank(  # type: ignore[attr-defined]
-                query, documents, truncate=truncate is not False
-            )
-        )
+        scores, count = await lease.call(lambda runner: runner.rerank(query, documents, truncate=truncate is not False))
     order = sorted(range(len(documents)), key=lambda i: (-scores[i], i))
     if top_n is not None and top_n > 0:  # 0, as absent: every document (llama-server's default)
         order = order[:top_n]
@@ -144,11 +140,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
         tokens = await lease.call(lambda runner: runner.tokenize(content, add_special=add_special))
         if not with_pieces:
             return {"tokens": tokens}
-        runner = lease.runner
-        if hasattr(runner, "token_pieces"):
-            pieces = await runner.token_pieces(tokens)
-        else:
-            pieces = [await runner.detokenize([t]) for t in tokens]
+        pieces = await lease.runner.token_pieces(tokens)
     return {"tokens": [{"id": t, "piece": p} for t, p in zip(tokens, pieces, strict=True)]}
 
 
