@@ -234,8 +234,8 @@ class _Parser:
         if t.kind != "}}":
             raise self.error(t, f"unexpected {self.desc(t)} in {context}")
 
-    def items(self, top: bool = False) -> tuple[list[tuple], str]:
-        nodes: list[tuple] = []
+    def items(self, top: bool = False) -> tuple[list[tuple[Any, ...]], str]:
+        nodes: list[tuple[Any, ...]] = []
         while True:
             t = self.next()
             if t.kind == "eof":
@@ -253,7 +253,7 @@ class _Parser:
                 return nodes, a.val
             nodes.append(self.action())
 
-    def action(self) -> tuple:
+    def action(self) -> tuple[Any, ...]:
         t = self.peek()
         if t.kind == "kw":
             if t.val in ("if", "range", "with"):
@@ -270,7 +270,7 @@ class _Parser:
         pipe = self.pipeline("command", "}}")
         return ("action", t.pos, pipe)
 
-    def control(self, kw: _Tok) -> tuple:
+    def control(self, kw: _Tok) -> tuple[Any, ...]:
         mark = len(self.vars)
         self.depth += 1
         if self.depth > MAX_DEPTH:
@@ -279,7 +279,7 @@ class _Parser:
         self.in_range += kw.val == "range"
         body, term = self.items()
         self.in_range -= kw.val == "range"
-        other: list[tuple] | None = None
+        other: list[tuple[Any, ...]] | None = None
         if term == "else":
             nxt = self.peek()
             if nxt.kind == "kw" and nxt.val == kw.val and kw.val in ("if", "with"):
@@ -297,7 +297,7 @@ class _Parser:
         self.depth -= 1
         return (kw.val, kw.pos, pipe, body, other)
 
-    def pipeline(self, context: str, end: str) -> tuple:
+    def pipeline(self, context: str, end: str) -> tuple[Any, ...]:
         start = self.peek()
         decl: list[str] = []
         is_assign = False
@@ -317,7 +317,7 @@ class _Parser:
                 self.i += ahead + 1
                 if not is_assign:
                     self.vars.extend(decl)
-        cmds: list[tuple] = []
+        cmds: list[tuple[Any, ...]] = []
         while (t := self.peek()).kind != end:
             if t.kind not in ("field", "var", "ident", "dot", "string", "number", "bool", "(") and (t.kind, t.val) != (
                 "kw",
@@ -337,7 +337,7 @@ class _Parser:
                 raise self.error(start, f"non executable command in pipeline stage {n}")
         return ("pipe", start.pos, decl, is_assign, cmds)
 
-    def command(self, end: str) -> tuple:
+    def command(self, end: str) -> tuple[Any, ...]:
         first, args = self.peek(), []
         while True:
             op = self.operand()
@@ -348,7 +348,7 @@ class _Parser:
             if t.kind in (end, "|"):
                 return ("cmd", first.pos, self.toks[self.i - 1].end, args)
 
-    def operand(self) -> tuple | None:
+    def operand(self) -> tuple[Any, ...] | None:
         node = self.term()
         fields: list[str] = []
         while node is not None and self.peek().kind == "field" and not self.peek().sp:
@@ -364,13 +364,13 @@ class _Parser:
             raise self.error(self.toks[self.i - 1], "unexpected . after term")
         return ("chain", node[1], node, tuple(fields))
 
-    def term(self) -> tuple | None:
+    def term(self) -> tuple[Any, ...] | None:
         t = self.peek()
         k = t.kind
         if k == "ident":
             if t.val not in _FUNCS:
                 raise self.error(t, f'function "{t.val}" not defined')
-            node: tuple = ("ident", t.pos, t.val)
+            node: tuple[Any, ...] = ("ident", t.pos, t.val)
         elif k == "dot":
             node = ("dot", t.pos)
         elif k == "kw" and t.val == "nil":
@@ -454,7 +454,7 @@ def go_print(v: Any) -> str:
     return "<no value>" if v is None else _fmt(v)
 
 
-def _sorted_keys(d: dict) -> list:
+def _sorted_keys(d: dict[Any, Any]) -> list[Any]:
     """Go ranges over and prints maps in key order."""
     return sorted(d, key=lambda k: (not isinstance(k, (int, float)), k if isinstance(k, (int, float)) else str(k)))
 
@@ -900,7 +900,7 @@ class _Exec:
             raise self.error(pos, f"template output exceeded {b.max_output} characters")
         self.out.append(s)
 
-    def walk(self, dot: Any, nodes: list[tuple]) -> None:
+    def walk(self, dot: Any, nodes: list[tuple[Any, ...]]) -> None:
         for n in nodes:
             kind = n[0]
             if kind == "text":
@@ -925,7 +925,7 @@ class _Exec:
             else:
                 raise _Break() if kind == "break" else _Continue()
 
-    def range(self, dot: Any, n: tuple) -> None:
+    def range(self, dot: Any, n: tuple[Any, ...]) -> None:
         _, pos, pipe, body, other = n
         mark = len(self.vars)
         val = self.commands(dot, pipe)
@@ -979,13 +979,13 @@ class _Exec:
                 return val
         raise self.error(pos, f"undefined variable: {name}")
 
-    def commands(self, dot: Any, pipe: tuple) -> Any:
+    def commands(self, dot: Any, pipe: tuple[Any, ...]) -> Any:
         val = _NOFINAL
         for cmd in pipe[4]:
             val = self.command(dot, cmd, val)
         return val
 
-    def pipeline(self, dot: Any, pipe: tuple) -> Any:
+    def pipeline(self, dot: Any, pipe: tuple[Any, ...]) -> Any:
         val = self.commands(dot, pipe)
         for name in pipe[2]:
             if pipe[3]:
@@ -994,7 +994,7 @@ class _Exec:
                 self.vars.append((name, val))
         return val
 
-    def command(self, dot: Any, cmd: tuple, final: Any) -> Any:
+    def command(self, dot: Any, cmd: tuple[Any, ...], final: Any) -> Any:
         self.tick(cmd[1])
         first, args = cmd[3][0], cmd[3][1:]
         at = self.src[cmd[1] : cmd[2]]
@@ -1015,7 +1015,7 @@ class _Exec:
             )
         return self.arg(dot, first)
 
-    def fields(self, recv: Any, idents: tuple, has_args: bool, pos: int, at: str) -> Any:
+    def fields(self, recv: Any, idents: tuple[Any, ...], has_args: bool, pos: int, at: str) -> Any:
         for n, name in enumerate(idents):
             if recv is None:
                 return None
@@ -1027,7 +1027,7 @@ class _Exec:
                 raise self.error(pos, f"can't evaluate field {name} in type {_gotype(recv)}", at)
         return recv
 
-    def arg(self, dot: Any, node: tuple) -> Any:
+    def arg(self, dot: Any, node: tuple[Any, ...]) -> Any:
         kind = node[0]
         if kind == "lit":
             return node[2]
@@ -1045,7 +1045,7 @@ class _Exec:
             return self.call(dot, node[2], [], _NOFINAL, node[1], node[2])
         return self.pipeline(dot, node)
 
-    def call(self, dot: Any, name: str, args: list[tuple], final: Any, pos: int, at: str) -> Any:
+    def call(self, dot: Any, name: str, args: list[tuple[Any, ...]], final: Any, pos: int, at: str) -> Any:
         fn, lo, hi = _FUNCS[name]
         count = len(args) + (final is not _NOFINAL)
         if count < lo or (hi is not None and count > hi):
@@ -1088,7 +1088,7 @@ class _Exec:
 class Template:
     """A parsed template. Immutable: :meth:`with_field` and :meth:`cut_after` return new templates."""
 
-    def __init__(self, src: str, root: list[tuple]) -> None:
+    def __init__(self, src: str, root: list[tuple[Any, ...]]) -> None:
         self.src, self.root = src, root
         self._identifiers: set[str] | None = None
 
@@ -1119,7 +1119,7 @@ class Template:
             return self._identifiers
         found: set[str] = set()
 
-        def arg(a: tuple) -> None:
+        def arg(a: tuple[Any, ...]) -> None:
             if a[0] == "field":
                 found.update(x.lower() for x in a[2])
             elif a[0] == "var":
@@ -1127,12 +1127,12 @@ class Template:
             elif a[0] == "pipe":
                 pipe(a)
 
-        def pipe(p: tuple) -> None:
+        def pipe(p: tuple[Any, ...]) -> None:
             for cmd in p[4]:
                 for a in cmd[3]:
                     arg(a)
 
-        def walk(nodes: list[tuple]) -> None:
+        def walk(nodes: list[tuple[Any, ...]]) -> None:
             for n in nodes:
                 if n[0] == "action":
                     pipe(n[2])
@@ -1160,7 +1160,7 @@ class Template:
         Ollama's legacy prompt code does (control-structure conditions are not searched)."""
         cut = False
 
-        def walk_list(nodes: list[tuple] | None) -> list[tuple] | None:
+        def walk_list(nodes: list[tuple[Any, ...]] | None) -> list[tuple[Any, ...]] | None:
             if nodes is None:
                 return None
             out = []
@@ -1170,7 +1170,7 @@ class Template:
                     out.append(m)
             return out
 
-        def walk_node(n: tuple) -> tuple | None:
+        def walk_node(n: tuple[Any, ...]) -> tuple[Any, ...] | None:
             nonlocal cut
             if cut:
                 return None
@@ -1182,7 +1182,7 @@ class Template:
                 return None if p is None else (n[0], n[1], p)
             return n
 
-        def walk_pipe(p: tuple) -> tuple | None:
+        def walk_pipe(p: tuple[Any, ...]) -> tuple[Any, ...] | None:
             nonlocal cut
             cmds = []
             for cmd in p[4]:
