@@ -16,6 +16,7 @@ Two guarantees hold for everything the daemon logs, whoever logs it (our code, u
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import re
 import sys
@@ -23,8 +24,22 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 TRACE = 5
+
+#: The facts of the request being served, for its one log line and its metrics: the HTTP edge's middleware
+#: (daemon.api.observe) sets a fresh dict per request; code below it adds what it learns through :func:`note`.
+request_facts: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("corral_request", default=None)
+
+
+def note(**fields: Any) -> None:
+    """Attach facts (model, prompt_tokens, eval_tokens...) to the current request's log line and metrics; outside
+    a request, nothing."""
+    info = request_facts.get()
+    if info is not None:
+        info.update(fields)
+
 
 MAX_MESSAGE = 8 * 1024  # characters of a message (escaped) written; a request path can be 16 KiB
 MAX_TRACEBACK = 32 * 1024

@@ -22,10 +22,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from daemon.api.bodies import parse_model, read_body
 from daemon.api.errors import error_headers, status_for
-from daemon.api.observe import note
 from daemon.api.schemas import KeepAliveField
 from daemon.api.streaming import LiveStream
 from daemon.generation.calls import KeepAlive
+from daemon.logs import note
 from errors import CorralError, InvalidRequest, ModelNotFound
 
 log = logging.getLogger(__name__)

@@ -2,12 +2,11 @@
 
 One log line per request (method, path, status, model, tokens, duration; key=value). Prompts are never logged
 unless ``CORRAL_LOG_PROMPTS=1``; keys and Authorization headers never are. Routes add what they know (model,
-token counts) through :func:`note`, which writes into a per-request dict shared with the middleware.
+token counts) through :func:`daemon.logs.note`, which writes into a per-request dict shared with the middleware.
 """
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import time
 from collections.abc import Iterator
@@ -21,16 +20,8 @@ from daemon import logs
 from daemon.api.security import ASGIApp, Receive, Scope, Send
 
 log = logging.getLogger("daemon.access")
-_current: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("corral_request", default=None)
 
 ENDPOINTS = ("/api/", "/v1/")
-
-
-def note(**fields: Any) -> None:
-    """Attach facts (model, prompt_tokens, eval_tokens...) to the current request's log line and metrics."""
-    info = _current.get()
-    if info is not None:
-        info.update(fields)
 
 
 class Metrics:
@@ -120,7 +111,7 @@ class Observe:
             await self.app(scope, receive, send)
             return
         info: dict[str, Any] = {"status": 500}
-        token = _current.set(info)
+        token = logs.request_facts.set(info)
         started = time.monotonic()
 
         async def send_status(message: dict[str, Any]) -> None:
@@ -131,7 +122,7 @@ class Observe:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            _current.reset(token)
+            logs.request_facts.reset(token)
             seconds = time.monotonic() - started
             endpoint = endpoint_of(scope["path"])
             self.metrics.requests.labels(endpoint, str(info["status"])).inc()

@@ -6,6 +6,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from daemon.generation.calls import EmbedCall
+
 #: A token id as llama.cpp holds one (llama_token is an int32; ids are never negative). Larger numbers are refused
 #: here rather than wrapped around on their way into a batch; the runner checks each id against the vocabulary.
 TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
@@ -125,6 +127,17 @@ class EmbedRequestBody(NamedRequest):
     dimensions: int | None = None
     keep_alive: StrictStr | int | float | None = None
     options: dict[str, Any] | None = None
+
+    def call(self) -> EmbedCall:
+        """The generation service's call for this body."""
+        return EmbedCall(
+            model=self.model_name,
+            input=self.input,
+            truncate=self.truncate,
+            dimensions=self.dimensions,
+            keep_alive=self.keep_alive,
+            options=dict(self.options or {}),
+        )
 
 
 class EmbeddingsRequestBody(NamedRequest):

@@ -77,3 +77,15 @@ def think_value(think: object) -> ThinkValue:
     if think is None or isinstance(think, (bool, str)):
         return pipeline.normalise_think(think)
     raise InvalidRequest(f"invalid think value: {think!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbedCall:
+    """Embeddings of some texts (Ollama's /api/embed; OpenAI's /v1/embeddings)."""
+
+    model: str
+    input: JSONValue = None  # a text or a list of texts; the service checks which
+    truncate: bool = True  # a text longer than the context is cut (true) or refused
+    dimensions: int | None = None  # vectors cut to this many dimensions (and normalised again)
+    keep_alive: KeepAlive = None
+    options: JSONObject = field(default_factory=dict)

@@ -19,13 +19,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from daemon.api.observe import note
 from daemon.chat import media, pipeline
 from daemon.chat.pipeline import ChatModel, EventStream
 from daemon.chat.types import Content, Event, Finished, Message, Thinking, ThinkValue, Tool, ToolCalls
 from daemon.generation.calls import Call, ChatCall, GenerateCall
 from daemon.generation.fitting import log_prompt_cut, render_chat
 from daemon.generation.inference import Inference, ModelContext, keep_alive_value
+from daemon.logs import note
 from daemon.runners.base import Done, GenerateRequest, LoadSpec, RunnerCrashed, SampleParams, Token, Truncated
 from daemon.scheduling.scheduler import Lease
 from daemon.templates import prompt as prompts

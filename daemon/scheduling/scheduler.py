@@ -272,6 +272,13 @@ class Scheduler:
             await self._unload(entry, reason="stop")
         return True
 
+    def serving(self, key: str) -> LoadSpec | None:
+        """The spec of the runner that serves ``key`` now (alive, loaded, not on its way out), else None."""
+        entry = self._loaded.get(key)
+        if entry is not None and entry.runner.alive() and not entry.unload_when_idle and not entry.loading:
+            return entry.spec
+        return None
+
     def loaded(self) -> list[dict[str, Any]]:
         """What /api/ps shows, expiring last first."""
         now_c, now_w = self.clock(), self._wall()

@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from daemon.chat.pipeline import ChatModel
+from daemon.chat.types import Message
 from tests.conftest import Daemon, start_daemon, stop_daemon
 from tests.models import write_tiny_gguf
 from tests.steps import steps
@@ -192,6 +193,10 @@ def test_hostile_chat_template_is_a_400_and_the_daemon_stays_small(tiny_daemon: 
 
 
 # -- 4: a long chat that must be truncated ---------------------------------------------------------------------
+
+
+def typed(msgs: list[dict[str, str]]) -> list[Message]:
+    return [Message.of(m) for m in msgs]
 
 
 def long_chat(n: int) -> list[dict[str, str]]:
@@ -402,13 +407,13 @@ def test_jinja_bounds_leave_real_templates_alone() -> None:
 
 
 def linear_truncation(
-    render: Callable[[list[dict[str, Any]]], str], count: Callable[[str], int], msgs: list[dict[str, Any]], num_ctx: int
+    render: Callable[[list[Message]], str], count: Callable[[str], int], msgs: list[Message], num_ctx: int
 ) -> str:
     """The loop corral had: drop the oldest non-system message until the prompt fits (the last always stays)."""
     kept = list(msgs)
     while True:
         text = render(kept)
-        droppable = [i for i, m in enumerate(kept[:-1]) if m["role"] != "system"]
+        droppable = [i for i, m in enumerate(kept[:-1]) if m.role != "system"]
         if count(text) <= num_ctx or not droppable:
             return text
         del kept[droppable[0]]
@@ -438,10 +443,10 @@ def test_truncation_by_binary_search_keeps_the_old_prompt(template: str) -> None
     for trial in range(40):
         n = rng.choice([1, 2, 3, 5, 20, 64])
         msgs = [
-            {
-                "role": rng.choice(["user", "assistant", "user", "system"]),
-                "content": " ".join("w" for _ in range(rng.randint(0, 12))),
-            }
+            Message(
+                role=rng.choice(["user", "assistant", "user", "system"]),
+                content=" ".join("w" for _ in range(rng.randint(0, 12))),
+            )
             for _ in range(n)
         ]
         for num_ctx in (1, 5, 30, 100, 400, 10**6):
@@ -454,7 +459,7 @@ def test_truncation_by_binary_search_keeps_the_old_prompt(template: str) -> None
             assert len(calls) <= n.bit_length() + 3, (n, len(calls))
     # without truncate: one render, no tokenizing
     calls = []
-    text = asyncio.run(render_chat(fake_lease(count, calls), ctx, long_chat(50), None, 1, False, None))
+    text = asyncio.run(render_chat(fake_lease(count, calls), ctx, typed(long_chat(50)), None, 1, False, None))
     assert not calls and text.count("message") == 50
 
 
@@ -464,12 +469,12 @@ def test_truncating_a_long_chat_takes_a_few_renders() -> None:
 
     ctx = SimpleNamespace(template=None, chat_template=CHATML, chat=ChatModel(chat_template=CHATML))
     calls: list[str] = []
-    text = asyncio.run(render_chat(fake_lease(len, calls), ctx, long_chat(5000), None, 2000, True, None))
+    text = asyncio.run(render_chat(fake_lease(len, calls), ctx, typed(long_chat(5000)), None, 2000, True, None))
     print(f"5001 messages into 2000 characters: {len(calls)} renders")
     assert len(text) <= 2000 and text.startswith("<|im_start|>system\nYou are terse.")
     assert len(calls) <= 16  # the renders counted, not timed (issue 26: was also < 5 s)
     # and the answer is the old loop's (run on the system message and the last 200: the rest goes anyway)
-    msgs = long_chat(5000)
+    msgs = typed(long_chat(5000))
     assert text == linear_truncation(
         lambda kept: render_messages(None, CHATML, kept), len, msgs[:1] + msgs[-200:], 2000
     )

@@ -41,13 +41,13 @@ from daemon.api.compat import (
     sse_event,
     sse_response,
 )
-from daemon.api.observe import note
 from daemon.api.state import inference
 from daemon.chat.pipeline import call_schema
 from daemon.chat.types import Content, Event, Finished, Message, Thinking, ThinkValue, Tool, ToolCall, ToolCalls
 from daemon.generation.calls import ChatCall, options_and_bias
 from daemon.generation.choices import first_then
 from daemon.generation.service import Run, count_chat_tokens, run_chat
+from daemon.logs import note
 
 router = APIRouter()
 log = logging.getLogger(__name__)

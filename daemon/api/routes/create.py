@@ -10,9 +10,9 @@ from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from daemon.api.bodies import read_model
-from daemon.api.observe import note
 from daemon.api.schemas import CreateRequest
 from daemon.api.streaming import progress_response
+from daemon.logs import note
 from daemon.models.create import Creator
 
 router = APIRouter()

@@ -9,11 +9,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from daemon.api.bodies import read_model
-from daemon.api.observe import note
 from daemon.api.schemas import EmbeddingsRequestBody, EmbedRequestBody
 from daemon.api.state import inference
 from daemon.generation.embed import run_embed
 from daemon.generation.inference import keep_alive_value
+from daemon.logs import note
 from errors import InvalidRequest
 
 router = APIRouter()
@@ -23,7 +23,7 @@ router = APIRouter()
 async def embed(request: Request) -> dict[str, Any]:
     started = time.monotonic()
     req = await read_model(request, EmbedRequestBody)
-    return await run_embed(inference(request), req, started)
+    return await run_embed(inference(request), req.call(), started)
 
 
 @router.post("/api/embeddings")

@@ -8,8 +8,8 @@ from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from daemon.api.bodies import read_model
-from daemon.api.observe import note
 from daemon.api.schemas import CopyRequest, DeleteRequest, ShowRequest
+from daemon.logs import note
 from daemon.models.catalog import Catalog
 from errors import InvalidRequest
 

@@ -39,7 +39,6 @@ from daemon.api.compat import (
     stops,
     think_of,
 )
-from daemon.api.observe import note
 from daemon.api.schemas import EmbedRequestBody
 from daemon.api.state import inference
 from daemon.chat import pipeline
@@ -58,6 +57,7 @@ from daemon.chat.types import (
 from daemon.generation.calls import ChatCall, GenerateCall, LogitBias, options_and_bias
 from daemon.generation.choices import chat_choices, generate_choices
 from daemon.generation.embed import run_embed
+from daemon.logs import note
 from daemon.runners.base import parse_logit_bias
 from errors import CorralError
 
@@ -683,7 +683,7 @@ async def embeddings(request: Request) -> Response:
             "keep_alive": body.get("keep_alive"),
         },
     )
-    result = await run_embed(inference(request), req, started)
+    result = await run_embed(inference(request), req.call(), started)
     data = []
     for i, vec in enumerate(result.get("embeddings") or []):
         value: Any = vec

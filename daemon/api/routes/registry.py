@@ -16,9 +16,9 @@ from pydantic import StrictBool
 from starlette.concurrency import run_in_threadpool
 
 from daemon.api.bodies import read_model
-from daemon.api.observe import note
 from daemon.api.schemas import NamedRequest, Wire
 from daemon.api.streaming import progress_response
+from daemon.logs import note
 from daemon.models.catalog import Catalog
 from daemon.settings import Settings
 from errors import InvalidRequest
