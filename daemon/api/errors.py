@@ -178,6 +178,8 @@ class RefusalLog:
         method, path = str(scope.get("method", "")), str(scope.get("path", ""))
         if method == "HEAD" and status == 404:
             return  # a probe ("is this blob here?", before every `corral create` upload), answered, not refused
+        if status == 426:
+            return  # a transport negotiation (Codex asks for a WebSocket first), answered, not refused
         reason = reason_of(status, body, scope)
         if not self.log_prompts and len(reason) > REASON_CHARS:
             reason = reason[:REASON_CHARS] + f"... ({len(reason) - REASON_CHARS} more characters)"

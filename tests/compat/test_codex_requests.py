@@ -327,3 +327,19 @@ def test_a_namespaced_call_in_the_history_needs_a_string_namespace(codex_daemon:
     )
     r = httpx.post(codex_daemon.url + "/v1/responses", json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "input[4].namespace"
+
+
+def test_a_websocket_upgrade_is_told_to_use_http(codex_daemon: Daemon) -> None:
+    """Codex asks for the Responses API over a WebSocket first and falls back to POST + SSE at once only when the
+    upgrade gets 426 Upgrade Required (any other answer it retries for seconds before falling back). corral serves
+    Responses over HTTP, so the upgrade gets 426 with a reason; a plain GET is still 405, as before."""
+    upgrade = {
+        "Connection": "Upgrade",
+        "Upgrade": "websocket",
+        "Sec-WebSocket-Version": "13",
+        "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+    }
+    r = httpx.get(codex_daemon.url + "/v1/responses", headers=upgrade)
+    assert r.status_code == 426, r.text
+    assert "POST" in r.json()["error"]["message"]
+    assert httpx.get(codex_daemon.url + "/v1/responses").status_code == 405

@@ -43,6 +43,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from daemon.api.compat import (
     BadParam,
@@ -498,6 +499,16 @@ class _Reply:
     def error_event(self, message: str) -> bytes:
         return self.event("error", code="server_error", message=message, param=None)
 
+    def _in_message(self, kind: str, **fields: Any) -> bytes:
+        """An event about the open message's text (its item, at the next output index, content part 0)."""
+        assert self.message is not None
+        return self.event(kind, item_id=self.message["id"], output_index=len(self.output), content_index=0, **fields)
+
+    def _in_reasoning(self, kind: str, **fields: Any) -> bytes:
+        """An event about the open reasoning item's summary (at the next output index, summary part 0)."""
+        assert self.reasoning is not None
+        return self.event(kind, item_id=self.reasoning["id"], output_index=len(self.output), summary_index=0, **fields)
+
     # -- items ---------------------------------------------------------------------------------------------------
     def _part(self) -> dict[str, Any]:
         part: dict[str, Any] = {"type": "output_text", "text": self.text, "annotations": []}
@@ -513,15 +524,7 @@ class _Reply:
         index = len(self.output)
         out.append(self.event("response.output_item.added", output_index=index, item={**self.message, "content": []}))
         part = {"type": "output_text", "text": "", "annotations": []}
-        out.append(
-            self.event(
-                "response.content_part.added",
-                item_id=self.message["id"],
-                output_index=index,
-                content_index=0,
-                part=part,
-            )
-        )
+        out.append(self._in_message("response.content_part.added", part=part))
         return out
 
     def add_text(self, text: str, lps: list[dict[str, Any]]) -> list[bytes]:
@@ -529,15 +532,9 @@ class _Reply:
         assert self.message is not None
         self.text += text
         self.lps += lps
-        extra = {"logprobs": _logprobs(lps) if self.want_logprobs else []}
         out.append(
-            self.event(
-                "response.output_text.delta",
-                item_id=self.message["id"],
-                output_index=len(self.output),
-                content_index=0,
-                delta=text,
-                **extra,
+            self._in_message(
+                "response.output_text.delta", delta=text, logprobs=_logprobs(lps) if self.want_logprobs else []
             )
         )
         return out
@@ -545,20 +542,12 @@ class _Reply:
     def close_message(self, status: str) -> list[bytes]:
         if self.message is None:
             return []
-        mid, index, part = self.message["id"], len(self.output), self._part()
+        part = self._part()
         item = {**self.message, "status": status, "content": [part]}
-        extra = {"logprobs": part.get("logprobs", [])}
         out = [
-            self.event(
-                "response.output_text.done",
-                item_id=mid,
-                output_index=index,
-                content_index=0,
-                text=self.text,
-                **extra,
-            ),
-            self.event("response.content_part.done", item_id=mid, output_index=index, content_index=0, part=part),
-            self.event("response.output_item.done", output_index=index, item=item),
+            self._in_message("response.output_text.done", text=self.text, logprobs=part.get("logprobs", [])),
+            self._in_message("response.content_part.done", part=part),
+            self.event("response.output_item.done", output_index=len(self.output), item=item),
         ]
         self.output.append(item)
         self.message, self.text, self.lps = None, "", []
@@ -571,44 +560,21 @@ class _Reply:
             self.reasoning = {"id": _id("rs"), "type": "reasoning", "summary": []}
             out.append(self.event("response.output_item.added", output_index=index, item=dict(self.reasoning)))
             out.append(
-                self.event(
-                    "response.reasoning_summary_part.added",
-                    item_id=self.reasoning["id"],
-                    output_index=index,
-                    summary_index=0,
-                    part={"type": "summary_text", "text": ""},
-                )
+                self._in_reasoning("response.reasoning_summary_part.added", part={"type": "summary_text", "text": ""})
             )
         self.thinking += text
-        out.append(
-            self.event(
-                "response.reasoning_summary_text.delta",
-                item_id=self.reasoning["id"],
-                output_index=index,
-                summary_index=0,
-                delta=text,
-            )
-        )
+        out.append(self._in_reasoning("response.reasoning_summary_text.delta", delta=text))
         return out
 
     def close_reasoning(self) -> list[bytes]:
         if self.reasoning is None:
             return []
-        rid, index = self.reasoning["id"], len(self.output)
         part = {"type": "summary_text", "text": self.thinking}
         item = {**self.reasoning, "summary": [part]}
         out = [
-            self.event(
-                "response.reasoning_summary_text.done",
-                item_id=rid,
-                output_index=index,
-                summary_index=0,
-                text=self.thinking,
-            ),
-            self.event(
-                "response.reasoning_summary_part.done", item_id=rid, output_index=index, summary_index=0, part=part
-            ),
-            self.event("response.output_item.done", output_index=index, item=item),
+            self._in_reasoning("response.reasoning_summary_text.done", text=self.thinking),
+            self._in_reasoning("response.reasoning_summary_part.done", part=part),
+            self.event("response.output_item.done", output_index=len(self.output), item=item),
         ]
         self.output.append(item)
         self.reasoning, self.thinking = None, ""
@@ -671,6 +637,28 @@ class _Reply:
 
 
 # -- /v1/responses --------------------------------------------------------------------------------------------
+@router.get("/v1/responses")
+async def responses_upgrade(request: Request) -> Response:
+    """Codex asks for the Responses API over a WebSocket first (a GET with ``Upgrade: websocket``) and falls back to
+    POST + SSE at once only on 426 Upgrade Required; any other answer (405, 404, a closed socket) it retries for
+    several seconds first. corral serves Responses over HTTP only, so the upgrade is told so; a plain GET is 405."""
+    if "websocket" not in request.headers.get("upgrade", "").lower():
+        raise StarletteHTTPException(status_code=405)
+    return JSONResponse(
+        {
+            "error": {
+                "message": "corral serves the Responses API over HTTP: POST /v1/responses (with stream: true for "
+                "server-sent events); WebSocket transport is not offered",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "upgrade_required",
+            }
+        },
+        status_code=426,
+        headers={"Upgrade": "HTTP/1.1"},
+    )
+
+
 @router.post("/v1/responses")
 @shaped(openai_error)
 async def responses(request: Request) -> Response:
