@@ -162,6 +162,33 @@ def think_of(body: dict[str, Any]) -> bool | str | None:
 
 
 # -- errors ---------------------------------------------------------------------------------------------------
+def content_parts(content: Any, where: str) -> str | list[tuple[str, dict[str, Any]]]:
+    """A message's content in the OpenAI-style dialects: a string as it is ("" for none), else its parts (objects),
+    each with where it stands for error messages."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadParam(where, f"'{where}' must be a string or an array of content parts")
+    parts = []
+    for i, part in enumerate(content):
+        here = f"{where}[{i}]"
+        if not isinstance(part, dict):
+            raise BadParam(here, f"'{here}' must be an object")
+        parts.append((here, part))
+    return parts
+
+
+def data_url_image(url: Any, where: str) -> str:
+    """The base64 of an image sent as a data URL (``data:image/png;base64,...``)."""
+    if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
+        raise BadParam(
+            where, "images must be base64 data URLs (data:image/png;base64,...); corral never fetches URLs or files"
+        )
+    return url.split(",", 1)[1]
+
+
 def openai_error(exc: BaseException) -> JSONResponse:
     status = status_for(exc)
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 503: "server_error"}.get(

@@ -29,6 +29,8 @@ from daemon.api.bodies import parse_model
 from daemon.api.compat import (
     BadParam,
     begin,
+    content_parts,
+    data_url_image,
     get,
     guarded,
     keep_alive_of,
@@ -156,30 +158,19 @@ def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
 
 def _content_text(content: Any, where: str) -> tuple[str, list[str]]:
     """Text and images (base64) from a message's content: a string or an array of parts."""
-    if content is None:
-        return "", []
-    if isinstance(content, str):
-        return content, []
-    if not isinstance(content, list):
-        raise BadParam(where, f"'{where}' must be a string or an array of content parts")
+    parts = content_parts(content, where)
+    if isinstance(parts, str):
+        return parts, []
     texts, images = [], []
-    for i, part in enumerate(content):
-        if not isinstance(part, dict):
-            raise BadParam(f"{where}[{i}]", f"'{where}[{i}]' must be an object")
+    for here, part in parts:
         kind = part.get("type")
         if kind == "text":
             texts.append(str(part.get("text") or ""))
         elif kind == "image_url":
             url = part.get("image_url")
-            url = url.get("url") if isinstance(url, dict) else url
-            if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
-                raise BadParam(
-                    f"{where}[{i}].image_url",
-                    "images must be base64 data URLs (data:image/png;base64,...); corral never fetches URLs",
-                )
-            images.append(url.split(",", 1)[1])
+            images.append(data_url_image(url.get("url") if isinstance(url, dict) else url, f"{here}.image_url"))
         else:
-            raise BadParam(f"{where}[{i}].type", f"unsupported content part type {kind!r}: use text or image_url")
+            raise BadParam(f"{here}.type", f"unsupported content part type {kind!r}: use text or image_url")
     return "\n".join(texts), images
 
 

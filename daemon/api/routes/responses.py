@@ -48,6 +48,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from daemon.api.compat import (
     BadParam,
     begin,
+    content_parts,
+    data_url_image,
     get,
     guarded,
     keep_alive_of,
@@ -138,36 +140,24 @@ def _check_hints(body: dict[str, Any]) -> None:
 
 def _parts(content: Any, where: str) -> tuple[str, list[str]]:
     """Text and images (base64) of a message's content: a string or an array of content parts."""
-    if content is None:
-        return "", []
-    if isinstance(content, str):
-        return content, []
-    if not isinstance(content, list):
-        raise BadParam(where, f"'{where}' must be a string or an array of content parts")
+    parts = content_parts(content, where)
+    if isinstance(parts, str):
+        return parts, []
     texts: list[str] = []
     images: list[str] = []
-    for i, part in enumerate(content):
-        pwhere = f"{where}[{i}]"
-        if not isinstance(part, dict):
-            raise BadParam(pwhere, f"'{pwhere}' must be an object")
+    for here, part in parts:
         kind = part.get("type")
         if kind in ("input_text", "output_text", "text"):
             texts.append(str(part.get("text") or ""))
         elif kind == "refusal":
             texts.append(str(part.get("refusal") or ""))
         elif kind == "input_image":
-            url = part.get("image_url")
-            if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
-                raise BadParam(
-                    f"{pwhere}.image_url",
-                    "images must be base64 data URLs (data:image/png;base64,...); corral never fetches URLs or files",
-                )
-            images.append(url.split(",", 1)[1])
+            images.append(data_url_image(part.get("image_url"), f"{here}.image_url"))
         elif kind == "input_file":
-            raise BadParam(f"{pwhere}.type", "file inputs are not supported: send the text as input_text")
+            raise BadParam(f"{here}.type", "file inputs are not supported: send the text as input_text")
         else:
             raise BadParam(
-                f"{pwhere}.type", f"unsupported content part type {kind!r}: use input_text, output_text or input_image"
+                f"{here}.type", f"unsupported content part type {kind!r}: use input_text, output_text or input_image"
             )
     return "".join(texts), images
 
