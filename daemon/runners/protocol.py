@@ -78,6 +78,16 @@ class LoadSpec:
     extra_bufts: bool = True  # llama.cpp's extra CPU buffer types (weight repacking, AMX); off is the safe fallback
     rerank: bool = False  # with embedding: pooling type rank (a reranker's score per query/document pair)
     projector_path: str = ""  # the vision projector (mmproj) GGUF loaded with the model, or "" for none
+    # the prompt cache on disk (daemon/runners/kvstore.py): its root directory, shared by every runner
+    # (CORRAL_KV_DISK_DIR), or "" for none (embedding runners, CORRAL_KV_DISK=0); its bound in bytes over the whole
+    # directory (CORRAL_KV_DISK); and the daemon's part of the cache key: canonical JSON (sorted keys, no spaces) of
+    # {"model": blob digest, "adapters": [digests], "projector": digest or "", "kv_type", "flash_attn", "rope":
+    # {the model's rope/context metadata}}, digests as "sha256:<hex>". The runner adds the llama.cpp build and hashes
+    # the whole into the key; "model", "adapters" and "projector" go into the key directory's meta.json, which
+    # `corral prune` reads
+    kv_disk_dir: str = ""
+    kv_disk_bytes: int = 0
+    kv_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -163,6 +173,24 @@ class SlotInfo:
     id: int
     busy: bool
     cached_tokens: int
+
+
+@dataclass(frozen=True)
+class KVDiskInfo:
+    """A runner's prompt cache on disk, in its ``SlotsReply``: where and how big it may grow (the whole directory,
+    every model's), what this model's key holds (blocks, bytes) and how lookups went (hits, misses, tokens
+    restored instead of evaluated). ``enabled`` false with a ``reason`` when this model keeps none (a KV cache
+    llama.cpp's state cannot be cut into blocks for); false with no reason when the daemon sent no directory."""
+
+    dir: str = ""
+    limit_bytes: int = 0
+    entries: int = 0
+    bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    restored_tokens: int = 0
+    enabled: bool = False
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -352,6 +380,7 @@ class SlotsReply:
     type: ClassVar[str] = "slots"
     id: int
     slots: tuple[SlotInfo, ...]
+    kv_disk: KVDiskInfo = field(default_factory=KVDiskInfo)  # the prompt cache on disk (off: the default value)
 
 
 @dataclass(frozen=True)
@@ -696,7 +725,18 @@ _SCALARS: dict[str, _Reader] = {
 }
 _CLASSES: dict[str, type] = {
     c.__name__: c
-    for c in (LoadSpec, SampleParams, GenerateRequest, Token, Done, Truncated, Embedding, SlotInfo, RunnerInfo)
+    for c in (
+        LoadSpec,
+        SampleParams,
+        GenerateRequest,
+        Token,
+        Done,
+        Truncated,
+        Embedding,
+        SlotInfo,
+        KVDiskInfo,
+        RunnerInfo,
+    )
 }
 
 
