@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -62,11 +63,21 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
     ),
     "CORRAL_PRELOAD": ("models to load in the background at startup, comma-separated", ""),
     "CORRAL_PULL_BANDWIDTH": ("most bytes per second all pulls together may download, e.g. 10MB; 0 = no limit", "0"),
+    "CORRAL_KV_DISK": (
+        "bytes of disk the prompt cache (KV state kept across unloads and restarts) may use, e.g. 10GB; 0 = off",
+        "10% of the free space of its directory's disk, at most 64GiB",
+    ),
+    "CORRAL_KV_DISK_DIR": (
+        "directory of the prompt cache on disk (never inside CORRAL_MODELS)",
+        "<user cache dir>/corral/kv",
+    ),
 }
 
 KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
 MAX_CONTEXT_LENGTH = 1 << 24  # as the num_ctx option's range
 GiB = 1 << 30
+KV_DISK_SHARE = 0.10  # CORRAL_KV_DISK unset: this share of the free space of the cache directory's disk ...
+KV_DISK_MAX_DEFAULT = 64 * GiB  # ... but at most this
 
 
 @dataclass(frozen=True)
@@ -323,6 +334,64 @@ def default_models_dir() -> Path:
     return Path(platformdirs.user_data_dir("corral", appauthor=False)) / "models"
 
 
+def default_kv_disk_dir() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("corral", appauthor=False)) / "kv"
+
+
+def _free_bytes(path: Path) -> int:
+    """The free space of the filesystem ``path`` is (or would be created) on: its nearest existing ancestor's."""
+    import shutil
+
+    for p in (path, *path.parents):
+        try:
+            return shutil.disk_usage(p).free
+        except OSError:
+            continue
+    return 0
+
+
+def parse_kv_disk(raw: str, directory: Path) -> int:
+    """``CORRAL_KV_DISK``: the prompt cache's bound in bytes (a size: ``10GB``, ``512MiB``, bytes); ``0`` turns it
+    off; unset: :data:`KV_DISK_SHARE` of the free space of ``directory``'s filesystem now, at most
+    :data:`KV_DISK_MAX_DEFAULT`."""
+    s = _unquote(raw)
+    if not s:
+        return min(int(_free_bytes(directory) * KV_DISK_SHARE), KV_DISK_MAX_DEFAULT)
+    try:
+        return parse_bytes(s, "CORRAL_KV_DISK")
+    except SettingsError:
+        raise SettingsError(
+            f'CORRAL_KV_DISK="{raw}" is not a size; use bytes or a unit, e.g. 10GB or 512MiB, or 0 to turn the '
+            "prompt cache on disk off"
+        ) from None
+
+
+def _inside(path: Path, other: Path) -> bool:
+    return path == other or other in path.parents
+
+
+def parse_kv_disk_dir(raw: str, models: Path) -> Path:
+    """``CORRAL_KV_DISK_DIR`` (unset: :func:`default_kv_disk_dir`), absolute. Refused inside the model store, and
+    holding it (``corral prune`` removes what it does not recognise in the cache directory)."""
+    s = _unquote(raw)
+    directory = Path(s).expanduser() if s else default_kv_disk_dir()
+    directory = Path(os.path.abspath(directory))
+    real, store = directory.resolve(), Path(os.path.abspath(models)).resolve()
+    if _inside(real, store):
+        raise SettingsError(
+            f'CORRAL_KV_DISK_DIR="{directory}" is inside the model store ({models}); the prompt cache must live '
+            "elsewhere, e.g. unset CORRAL_KV_DISK_DIR for the user cache directory"
+        )
+    if _inside(store, real):
+        raise SettingsError(
+            f'CORRAL_KV_DISK_DIR="{directory}" holds the model store ({models}); give the prompt cache a directory '
+            "of its own, e.g. unset CORRAL_KV_DISK_DIR for the user cache directory"
+        )
+    return directory
+
+
 @dataclass(frozen=True)
 class Settings:
     host: Host = field(default_factory=lambda: parse_host(None))
@@ -345,6 +414,10 @@ class Settings:
     load_timeout: float = 300.0  # seconds without load progress before a load fails; math.inf = forever
     preload: tuple[str, ...] = ()  # models loaded in the background at startup
     pull_bandwidth: int = 0  # bytes per second across all pulls; 0 = no limit
+    # the prompt cache on disk: its bound in bytes (0 = off: the default of a Settings built in code; from_env gives
+    # a share of the free disk) and its directory
+    kv_disk: int = 0
+    kv_disk_dir: Path = field(default_factory=default_kv_disk_dir)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -367,9 +440,11 @@ class Settings:
                 f"CORRAL_FLASH_ATTENTION={get('CORRAL_FLASH_ATTENTION')} turns it off; unset "
                 "CORRAL_FLASH_ATTENTION or use CORRAL_KV_CACHE_TYPE=f16"
             )
+        models_dir = Path(models).expanduser() if models else default_models_dir()
+        kv_dir = parse_kv_disk_dir(environ.get("CORRAL_KV_DISK_DIR", ""), models_dir)
         return cls(
             host=parse_host(get("CORRAL_HOST")),
-            models=Path(models).expanduser() if models else default_models_dir(),
+            models=models_dir,
             keep_alive=parse_duration(keep, "CORRAL_KEEP_ALIVE") if keep else 300.0,
             max_loaded_models=_int(environ, "CORRAL_MAX_LOADED_MODELS", 0),
             num_parallel=_int(environ, "CORRAL_NUM_PARALLEL", 0),
@@ -390,6 +465,8 @@ class Settings:
             pull_bandwidth=parse_bytes(get("CORRAL_PULL_BANDWIDTH"), "CORRAL_PULL_BANDWIDTH")
             if get("CORRAL_PULL_BANDWIDTH")
             else 0,
+            kv_disk=parse_kv_disk(environ.get("CORRAL_KV_DISK", ""), kv_dir),
+            kv_disk_dir=kv_dir,
         )
 
 

@@ -64,6 +64,9 @@ def start_daemon(models: Path, log: Path, extra_env: dict[str, str] | None = Non
     host = f"127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CORRAL_", "OLLAMA_"))}
     env.update({"CORRAL_HOST": host, "CORRAL_MODELS": str(models), "PYTHONPATH": str(REPO)})
+    # the prompt cache on disk beside the store, never the user's: each test's daemons their own (a daemon started
+    # again on the same store finds what the one before it wrote, as after a real restart)
+    env["CORRAL_KV_DISK_DIR"] = str(models.parent / f"kv-{models.name}")
     env.update(extra_env or {})
     logf = open(log, "wb")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "cli", "serve"], env=env, cwd=REPO, stdout=logf, stderr=logf)

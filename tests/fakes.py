@@ -10,6 +10,7 @@ from daemon.runners.base import (
     Embedding,
     Event,
     GenerateRequest,
+    KVDiskInfo,
     LoadFailed,
     LoadSpec,
     MemoryUse,
@@ -23,6 +24,7 @@ class FakeRunner:
     instances: list[FakeRunner] = []
     exit_signal: int | None = None  # how it "died" (a test may set it)
     decoded = False  # a fake's death never counts as a crash after serving
+    kv_disk: KVDiskInfo | None = None  # keeps no prompt cache on disk
 
     def __init__(self, spec: LoadSpec, memory: MemoryUse, *, load_delay: float = 0.0, fail: bool = False) -> None:
         self.spec = spec

@@ -20,6 +20,7 @@ from daemon.scheduling.scheduler import Lease, ModelRef, Scheduler
 from daemon.settings import Settings, SettingsError, parse_duration
 from errors import CorralError, InvalidRequest
 from modelfile.params import DEFAULT_OPTIONS, DEPRECATED_OPTIONS, OPTION_TYPES, check_value, validate_options
+from registry.digest import Digest
 from registry.gguf import GGUFInfo
 from registry.manifest import MEDIA_ADAPTER, MEDIA_MODEL, MEDIA_PROJECTOR
 from registry.names import ModelName
@@ -136,6 +137,7 @@ class Inference:
         self.physical_cores = physical_cores
         self.default_num_ctx = default_num_ctx  # CORRAL_CONTEXT_LENGTH, or automatic by VRAM (see create_app)
         self._estimates: dict[tuple[str, int, int, int, int, str, str], Estimate] = {}
+        self._kv_keys: dict[tuple[str, ...], str] = {}  # kv_key_for, per model file, adapters, projector, KV settings
         # model() by the name as given, with what proves it current: the store's generation and the manifest's
         # identity on disk (a manifest replaced or removed behind the daemon's back shows in its stat)
         self._models: OrderedDict[str, tuple[int, tuple[int, int, int], ModelContext]] = OrderedDict()
@@ -254,6 +256,8 @@ class Inference:
         prompt_cache = (
             0 if embedding else self.prompt_cache_for(ctx, num_ctx, num_batch, num_parallel, num_gpu, kv_type)
         )
+        # the prompt cache on disk: for generation only (an embedding or rerank runner keeps no KV state)
+        kv_disk = not embedding and self.settings.kv_disk > 0
         return LoadSpec(
             model_path=str(ctx.model_path),
             adapters=ctx.adapters,
@@ -270,7 +274,42 @@ class Inference:
             flash_attn=flash_attn,
             kv_cache_type=kv_type,
             projector_path="" if embedding else _projector_of(ctx),
+            kv_disk_dir=str(self.settings.kv_disk_dir) if kv_disk else "",
+            kv_disk_bytes=self.settings.kv_disk if kv_disk else 0,
+            kv_key=self.kv_key_for(ctx, kv_type, flash_attn) if kv_disk else "",
         )
+
+    def kv_key_for(self, ctx: ModelContext, kv_type: str, flash_attn: str) -> str:
+        """The daemon's part of the prompt cache's key (``LoadSpec.kv_key``): canonical JSON of everything of the
+        model's that makes its KV state valid: the model, adapter and projector blob digests, the KV cache type,
+        flash attention (the V cache's layout) and the model's rope and context metadata. Remembered per model
+        file (it runs on every request)."""
+        projector = _projector_of(ctx)
+        memo = (str(ctx.model_path), projector, kv_type, flash_attn, *ctx.adapters)
+        key = self._kv_keys.get(memo)
+        if key is None:
+            arch = ctx.info.architecture
+            rope = {
+                k: v
+                for k, v in sorted(ctx.info.metadata.items())
+                if (k.startswith(f"{arch}.rope.") or k == f"{arch}.context_length") and _plain_json(v)
+            }
+            key = json.dumps(
+                {
+                    "model": _blob_digest(str(ctx.model_path)),
+                    "adapters": [_blob_digest(a) for a in ctx.adapters],
+                    "projector": _blob_digest(projector) if projector else "",
+                    "rope": rope,
+                    "kv_type": kv_type,
+                    "flash_attn": flash_attn,
+                },
+                sort_keys=True,
+                separators=(",", ":"),
+            )
+            if len(self._kv_keys) >= 256:
+                self._kv_keys.clear()
+            self._kv_keys[memo] = key
+        return key
 
     def parallel_for(self, ctx: ModelContext, num_ctx: int, num_batch: int, kv_type: str = "f16") -> int:
         """``CORRAL_NUM_PARALLEL`` when set; else the most sequence slots (at most 4) whose KV cache, at this
@@ -409,6 +448,22 @@ def _projector_of(ctx: ModelContext) -> str:
     """The model's projector blob path, "" for none (contexts built without the field, as tests' fakes, have none)."""
     path = getattr(ctx, "projector_path", None)
     return "" if path is None else str(path)
+
+
+def _blob_digest(path: str) -> str:
+    """A blob's digest (``sha256:<hex>``) from its file name in the store; a file outside the store by its name."""
+    name = Path(path).name
+    digest = Digest.from_filename(name)
+    return str(digest) if digest is not None else name
+
+
+def _plain_json(value: Any) -> bool:
+    """A metadata value that goes into JSON as it is: a scalar, or a list of scalars."""
+    if isinstance(value, list):
+        return all(_plain_json(v) and not isinstance(v, list) for v in value)
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, (str, int, bool))
 
 
 def _projector_memory(ctx: ModelContext) -> int:

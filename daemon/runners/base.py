@@ -17,6 +17,7 @@ from daemon.runners.protocol import (
     Done,
     Embedding,
     GenerateRequest,
+    KVDiskInfo,
     LoadSpec,
     Piece,
     RunnerInfo,
@@ -37,6 +38,7 @@ __all__ = [
     "Embedding",
     "Event",
     "GenerateRequest",
+    "KVDiskInfo",
     "LoadFailed",
     "LoadSpec",
     "MemoryUse",
@@ -162,6 +164,11 @@ class Runner(Protocol):
 
     async def slots(self) -> list[SlotInfo]:
         """The runner's sequence slots (none for an embedding runner)."""
+
+    @property
+    def kv_disk(self) -> KVDiskInfo | None:
+        """The runner's prompt cache on disk as its last :meth:`slots` answer reported it (None before one, or for a
+        runner that keeps none)."""
 
     async def close(self) -> None:
         """Stop the runner; memory really comes back (the process ends)."""

@@ -30,6 +30,7 @@ from daemon.runners.base import (
     Embedding,
     Event,
     GenerateRequest,
+    KVDiskInfo,
     LoadFailed,
     LoadSpec,
     MemoryUse,
@@ -235,6 +236,7 @@ class ProcessRunner:
         self._stage = "start"  # what the runner said it was doing last (load, warm-up, ready)
         self._decoded = False  # a decode finished: a crash from now on is not the configuration's first-decode fault
         self._stderr_logged = False
+        self._kv_disk: KVDiskInfo | None = None  # the prompt cache on disk, as the last SlotsReply had it
 
     # -- Runner protocol -------------------------------------------------------------------------------------------
     @property
@@ -250,6 +252,11 @@ class ProcessRunner:
 
     def info(self) -> dict[str, int | str | bool]:
         return self._info.public() if self._info is not None else {}
+
+    @property
+    def kv_disk(self) -> KVDiskInfo | None:
+        """The runner's prompt cache on disk as its last :meth:`slots` answer reported it (None before one)."""
+        return self._kv_disk
 
     async def start(self) -> None:
         env = dict(self._env if self._env is not None else os.environ)
@@ -380,7 +387,9 @@ class ProcessRunner:
 
     async def slots(self) -> list[SlotInfo]:
         """The runner's sequence slots: id, busy, and how many tokens its KV cache holds for reuse."""
-        return list((await self._call(SlotsOp, SlotsReply)).slots)
+        reply = await self._call(SlotsOp, SlotsReply)
+        self._kv_disk = reply.kv_disk
+        return list(reply.slots)
 
     async def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
         return list((await self._call(lambda rid: TokenizeOp(rid, text, add_special), TokensReply)).tokens)
