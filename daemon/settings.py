@@ -414,10 +414,10 @@ class Settings:
     load_timeout: float = 300.0  # seconds without load progress before a load fails; math.inf = forever
     preload: tuple[str, ...] = ()  # models loaded in the background at startup
     pull_bandwidth: int = 0  # bytes per second across all pulls; 0 = no limit
-    # the prompt cache on disk: its bound in bytes (0 = off: the default of a Settings built in code; from_env gives
-    # a share of the free disk) and its directory
+    # the prompt cache on disk: its bound in bytes (0 = off) and its directory (None: none, so nothing is written or
+    # pruned). A Settings built in code has neither; from_env gives a share of the free disk and the user cache dir
     kv_disk: int = 0
-    kv_disk_dir: Path = field(default_factory=default_kv_disk_dir)
+    kv_disk_dir: Path | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:

@@ -257,7 +257,8 @@ class Inference:
             0 if embedding else self.prompt_cache_for(ctx, num_ctx, num_batch, num_parallel, num_gpu, kv_type)
         )
         # the prompt cache on disk: for generation only (an embedding or rerank runner keeps no KV state)
-        kv_disk = not embedding and self.settings.kv_disk > 0
+        kv_dir = self.settings.kv_disk_dir
+        kv_disk = not embedding and self.settings.kv_disk > 0 and kv_dir is not None
         return LoadSpec(
             model_path=str(ctx.model_path),
             adapters=ctx.adapters,
@@ -274,7 +275,7 @@ class Inference:
             flash_attn=flash_attn,
             kv_cache_type=kv_type,
             projector_path="" if embedding else _projector_of(ctx),
-            kv_disk_dir=str(self.settings.kv_disk_dir) if kv_disk else "",
+            kv_disk_dir=str(kv_dir) if kv_disk else "",
             kv_disk_bytes=self.settings.kv_disk if kv_disk else 0,
             kv_key=self.kv_key_for(ctx, kv_type, flash_attn) if kv_disk else "",
         )
