@@ -91,7 +91,23 @@ def notes(models: list[dict[str, Any]], prefix: str | None = None) -> list[str]:
             out.append(f"{name} also serves {', '.join(others)} (the same weights, one runner)")
         if m.get("fallback"):
             out.append(f"{name} runs with {m['fallback']}")
+        kv = m.get("kv_disk")
+        if isinstance(kv, dict):
+            out.append(f"{name} {kv_disk_note(kv)}")
     return [""] + out if out else []
+
+
+def kv_disk_note(kv: dict[str, Any]) -> str:
+    """The model's prompt cache on disk: its blocks, bytes and the share of lookups that found a stored prefix."""
+    if not kv.get("enabled"):
+        return f"keeps no prompt cache on disk ({kv.get('reason') or 'off'})"
+    entries, hits, misses = int(kv.get("entries") or 0), int(kv.get("hits") or 0), int(kv.get("misses") or 0)
+    rate = f"{hits / (hits + misses):.0%} of {hits + misses} lookups" if hits + misses else "no lookups yet"
+    restored = int(kv.get("restored_tokens") or 0)
+    return (
+        f"prompt cache on disk: {entries} block{'s' if entries != 1 else ''}, "
+        f"{output.format_size(int(kv.get('bytes') or 0))}, hits {rate}, {restored} tokens restored"
+    )
 
 
 def stop(model: Annotated[str, typer.Argument(metavar="MODEL", help="Model to unload.")]) -> None:
@@ -126,6 +142,8 @@ SETTING_ENV = {
     "context_length": "CORRAL_CONTEXT_LENGTH",
     "flash_attention": "CORRAL_FLASH_ATTENTION",
     "kv_cache_type": "CORRAL_KV_CACHE_TYPE",
+    "kv_disk": "CORRAL_KV_DISK",
+    "kv_disk_dir": "CORRAL_KV_DISK_DIR",
 }
 
 
@@ -142,6 +160,8 @@ def setting_rows(settings: dict[str, Any]) -> list[list[str]]:
             text = str(value) if value else "0 (automatic)"
         elif name == "keep_alive":
             text = "forever" if value == -1 else f"{value:g}s" if isinstance(value, (int, float)) else str(value)
+        elif name == "kv_disk":
+            text = output.format_size(int(value)) if value else "0 (off)"
         elif name == "context_length" and not value:
             chosen = settings.get("default_num_ctx")
             text = f"0 (automatic: {chosen})" if chosen else "0 (automatic)"
@@ -212,6 +232,14 @@ def info_lines(data: dict[str, Any]) -> list[str]:
     max_loaded = budgets.get("max_loaded_models")
     rows.append(["Max loaded models", str(max_loaded) if max_loaded else "no limit (memory decides)"])
     rows.extend(setting_rows(data.get("settings") or {}))
+    kv = data.get("kv_disk")
+    if isinstance(kv, dict):
+        used = output.format_size(int(kv.get("bytes") or 0))
+        if kv.get("enabled"):
+            text = f"{used} of {output.format_size(int(kv.get('limit_bytes') or 0))} used, in {kv.get('dir')}"
+        else:
+            text = "off" + (f" ({used} left in {kv.get('dir')})" if kv.get("bytes") else "")
+        rows.append(["Prompt cache on disk", text])
     for f in data.get("runner_fallbacks") or []:  # safer configurations remembered after runner crashes
         what = [f"extra buffer types {'on' if f.get('extra_buffer_types', True) else 'off'}"]
         if f.get("max_gpu_layers") is not None:
