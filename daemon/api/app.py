@@ -46,6 +46,9 @@ def startup_prune(store: Store, settings: Settings) -> None:
         return
     freed = store.prune(plan)
     log.info("prune removed_blobs=%d bytes_freed=%d", len(plan.blobs), freed)
+    kv_freed = registry_routes.prune_kv_disk(store, settings, [])  # no runner is loaded yet
+    if kv_freed:
+        log.info("prune removed the prompt caches on disk of models that are gone bytes_freed=%d", kv_freed)
 
 
 def default_runner_factory(ref: ModelRef, spec: LoadSpec, *, load_timeout: float | None = None) -> Runner:
@@ -141,6 +144,10 @@ def create_app(
             settings.flash_attention,
             settings.kv_cache_type,
         )
+        if settings.kv_disk > 0 and settings.kv_disk_dir is not None:
+            log.info("prompt cache on disk dir=%s limit_bytes=%d", settings.kv_disk_dir, settings.kv_disk)
+        else:
+            log.info("prompt cache on disk off (CORRAL_KV_DISK=0)")
         scheduler.start()
         log.info("corral ready version=%s models=%s", VERSION, the_store.root)
         preloading = (

@@ -8,7 +8,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from daemon.runners.base import Runner
+from daemon.runners import kvstore
+from daemon.runners.base import KVDiskInfo, Runner
+from daemon.settings import Settings
 from errors import CorralError
 
 router = APIRouter()
@@ -32,12 +34,33 @@ async def _slots(runner: Runner) -> list[dict[str, Any]] | None:
     return [{"id": s.id, "busy": s.busy, "cached_tokens": s.cached_tokens} for s in slots]
 
 
+def kv_disk_json(kv: KVDiskInfo | None) -> dict[str, Any] | None:
+    """A runner's prompt cache on disk for /api/ps: its blocks and bytes of this model, how many lookups found a
+    stored prefix (``hit_rate`` of ``hits + misses``) and the tokens restored instead of evaluated; or why this
+    model keeps none. None when the daemon gave the runner no cache (CORRAL_KV_DISK=0, an embedding model)."""
+    if kv is None or (not kv.enabled and not kv.reason):
+        return None
+    if not kv.enabled:
+        return {"enabled": False, "reason": kv.reason}
+    lookups = kv.hits + kv.misses
+    return {
+        "enabled": True,
+        "entries": kv.entries,
+        "bytes": kv.bytes,
+        "hits": kv.hits,
+        "misses": kv.misses,
+        "hit_rate": round(kv.hits / lookups, 4) if lookups else 0.0,
+        "restored_tokens": kv.restored_tokens,
+    }
+
+
 @router.get("/api/ps")
 async def ps(request: Request) -> dict[str, Any]:
     models = []
     for item in request.app.state.scheduler.loaded():
         e = item["entry"]
         slots = None if e.loading else await _slots(e.runner)
+        kv_disk = None if slots is None else kv_disk_json(e.runner.kv_disk)
         models.append(
             {
                 "name": e.ref.name,
@@ -54,9 +77,23 @@ async def ps(request: Request) -> dict[str, Any]:
                 "names": sorted(e.names, key=lambda n: -e.names[n]),  # corral: every name this runner serves
                 **({"fallback": e.fallback} if e.fallback else {}),  # corral: the safer configuration in force, and why
                 **({"slots": slots} if slots is not None else {}),  # corral: busy, and cached tokens for reuse
+                **({"kv_disk": kv_disk} if kv_disk is not None else {}),  # corral: the prompt cache on disk
             }
         )
     return {"models": models}
+
+
+def kv_disk_info(settings: Settings) -> dict[str, Any]:
+    """The prompt cache on disk: where (``CORRAL_KV_DISK_DIR``), its bound (``CORRAL_KV_DISK``) and the bytes it
+    holds now, every model's."""
+    root = getattr(settings, "kv_disk_dir", None)
+    limit = int(getattr(settings, "kv_disk", 0) or 0)
+    return {
+        "enabled": root is not None and limit > 0,
+        "dir": None if root is None else str(root),
+        "limit_bytes": limit,
+        "bytes": 0 if root is None else kvstore.usage(root),
+    }
 
 
 @router.get("/api/info")
@@ -81,6 +118,8 @@ def info(request: Request) -> dict[str, Any]:
         "context_length",
         "flash_attention",
         "kv_cache_type",
+        "kv_disk",
+        "kv_disk_dir",
     )
     in_force = {n: plain(getattr(state.settings, n)) for n in names if hasattr(state.settings, n)}
     if getattr(state.inference, "default_num_ctx", None) is not None:
@@ -89,6 +128,7 @@ def info(request: Request) -> dict[str, Any]:
         "hardware": state.hardware.to_json(),
         "budgets": state.budgets_json,
         "settings": in_force,
+        "kv_disk": kv_disk_info(state.settings),
         # corral: the safer runner configurations chosen after native crashes on this machine
         # (daemon/scheduling/fallback.py)
         "runner_fallbacks": fallbacks.remembered() if fallbacks is not None else [],

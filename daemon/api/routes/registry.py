@@ -20,13 +20,16 @@ from daemon.api.schemas import NamedRequest, Wire
 from daemon.api.streaming import progress_response
 from daemon.logs import note
 from daemon.models.catalog import Catalog
+from daemon.runners import kvstore
+from daemon.runners.base import LoadSpec
 from daemon.settings import Settings
-from errors import InvalidRequest
+from errors import CorralError, InvalidRequest
 from registry.credentials import auth_files
+from registry.digest import Digest
 from registry.download import Downloads
 from registry.pull import Puller
 from registry.push import Pusher
-from registry.store import TEMP_PREFIX, PrunePlan, disk_bytes
+from registry.store import TEMP_PREFIX, PrunePlan, Store, disk_bytes
 
 router = APIRouter()
 
@@ -119,13 +122,38 @@ def _describe(plan: PrunePlan, dry_run: bool) -> dict[str, Any]:
     return out
 
 
+def prune_kv_disk(store: Store, settings: Settings, loaded: list[LoadSpec]) -> int:
+    """Remove the prompt caches on disk of models that are gone (``kvstore.prune``): a key directory stays while
+    its model blob is referenced by a manifest or loaded now (``loaded``: the runners' specs). The bytes freed; 0
+    without a cache directory, or when a manifest cannot be read (which models are gone is then unknown). The
+    caller holds the catalog's lock."""
+    root = settings.kv_disk_dir
+    if root is None or not root.is_dir():
+        return 0
+    try:
+        keep = {str(d) for d in store.referenced_blobs(strict=True)}
+    except CorralError:
+        return 0
+    for spec in loaded:
+        digest = Digest.from_filename(Path(spec.model_path).name)
+        if digest is not None:
+            keep.add(str(digest))
+    return kvstore.prune(root, keep)
+
+
+def loaded_specs(request: Request) -> list[LoadSpec]:
+    return [item["entry"].spec for item in request.app.state.scheduler.loaded()]
+
+
 @router.post("/api/prune")
 async def prune(request: Request) -> dict[str, Any]:
-    """Remove unreferenced blobs (older than 5 minutes) and partial downloads not in progress (untouched for a
-    minute)."""
+    """Remove unreferenced blobs (older than 5 minutes), partial downloads not in progress (untouched for a
+    minute) and the prompt caches on disk of models that are gone (``kv_disk_bytes_freed``; not on a dry run)."""
     req = await read_model(request, PruneRequest, allow_empty=True)
     catalog: Catalog = request.app.state.catalog
     table = downloads(request)
+    settings: Settings = request.app.state.settings
+    loaded = loaded_specs(request)
 
     def run() -> dict[str, Any]:
         with catalog.lock:
@@ -135,6 +163,7 @@ async def prune(request: Request) -> dict[str, Any]:
             out = _describe(plan, req.dry_run)
             if not req.dry_run and not plan.skipped_reason:
                 out["bytes_freed"] = catalog.store.prune(plan)
+                out["kv_disk_bytes_freed"] = prune_kv_disk(catalog.store, settings, loaded)
         return out
 
     return await run_in_threadpool(run)
