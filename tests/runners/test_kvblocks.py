@@ -552,3 +552,17 @@ def test_the_block_size_is_the_stores() -> None:
     from daemon.runners import kvstore
 
     assert BLOCK_TOKENS == kvstore.BLOCK_TOKENS
+
+
+def test_a_state_in_a_numpy_buffer_or_memoryview(sample: dict[str, Any]) -> None:
+    """The engine keeps states in numpy buffers bigger than the state (llama_state_seq_get_data's first bytes)."""
+    state: bytes = sample["state"]
+    buffer = np.zeros(len(state) + 100, dtype=np.uint8)
+    buffer[: len(state)] = np.frombuffer(state, dtype=np.uint8)
+    want = sample["blocks"]
+    assert split(buffer[: len(state)], 3) == want
+    assert split(memoryview(buffer)[: len(state)], 3) == want
+    assert split(memoryview(buffer)[8 : len(state)], 3) == want  # without the header
+    assert join([memoryview(p) for p in want], 3) == join(want, 3)
+    with pytest.raises(Unsplittable):
+        split(buffer, 3)  # the whole buffer: bytes after the state
