@@ -44,7 +44,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -62,6 +62,9 @@ from daemon.runners.protocol import (
     Truncated,
     TruncatedReply,
 )
+
+if TYPE_CHECKING:
+    from daemon.llama.kvdisk import DiskCache
 
 PROMPT_TOO_LONG = (
     "the prompt is longer than the context length currently available to the model; shorten the prompt, adjust "
@@ -107,6 +110,7 @@ class Saved:
     tokens: list[int]
     buffer: np.ndarray  # its first ``size`` bytes are from llama_state_seq_get_data; recycled when the entry leaves
     size: int
+    shifted_at: int | None = None  # the slot's ``shifted_at`` when it was saved
 
 
 class EngineError(Exception):
@@ -137,6 +141,10 @@ class Slot:
     tokens: list[int] = field(default_factory=list)  # what this sequence id holds in the KV cache, in order
     seq: Seq | None = None
     last_used: float = 0.0
+    # the position from which its KV was moved by a context shift (``_shift``): from there on it is not what
+    # evaluating those tokens gives, so it is never stored on disk; None: never shifted
+    shifted_at: int | None = None
+    persisted: int = 0  # leading blocks of ``tokens`` known to be on disk (or queued for it)
 
 
 @dataclass
@@ -171,6 +179,7 @@ class Seq:
     lead_to: int = 0
     # the raw logits of its first token, kept for followers with the same whole prompt (``_start_twin``)
     first_row: np.ndarray | None = None
+    lookup: Any = None  # a kvdisk.Lookup: its prompt's stored prefix, being read from disk
 
 
 class Engine:
@@ -224,6 +233,8 @@ class Engine:
         self._alone_last = False  # the last step evaluated only newcomers' prompts (``_step``)
         self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []  # ``call``, not yet run
         self._closed = False
+        self.disk: DiskCache | None = None  # the prompt cache on disk (``attach_disk``)
+        self._ended: list[Slot] = []  # slots whose sequence finished this iteration: stored on disk after the send
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -286,6 +297,9 @@ class Engine:
         seq.grammar = self._grammar(params)
         if len(prompt) < given:  # said now, so that the daemon hears of the cut before any of the request's tokens
             self._emit_many([TruncatedReply(rid, Truncated(given, len(prompt), num_keep, self.n_ctx_slot))])
+        disk = self.disk
+        if disk is not None:  # its stored prefix is read while it waits for a slot
+            seq.lookup = disk.lookup(prompt)
         with self._cv:
             self.by_rid[rid] = seq
             self.waiting.append(seq)
@@ -320,9 +334,107 @@ class Engine:
             self._closed = True
             self._cv.notify()
         self._thread.join(timeout=10)
+        if self.disk is not None:
+            self.disk.close()
 
     def slots_info(self) -> list[SlotInfo]:
         return [SlotInfo(s.seq_id, s.seq is not None, len(s.tokens)) for s in self.slots]
+
+    # -- the prompt cache on disk (kvdisk.py) -----------------------------------------------------------------------
+    def attach_disk(self, disk: DiskCache) -> None:
+        """Keep prompts' KV on disk too: what a slot holds is stored when its sequence ends or before the slot is
+        reused, and a request's prompt is looked up there when it is submitted."""
+        disk.local = self._held
+        disk.wake = self._wake
+        disk.min_gain = MIN_GAIN
+        self.disk = disk
+
+    def flush_disk(self, timeout: float) -> bool:
+        """Store what every slot holds (on the engine thread, between two steps) and wait for the disk writes, at
+        most ``timeout`` seconds in all (a runner that shuts down); whether everything was written."""
+        disk = self.disk
+        if disk is None:
+            return True
+        end = time.monotonic() + timeout
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def persist_all() -> None:
+            for slot in self.slots:
+                self._persist(slot)
+
+        with self._cv:
+            if self._closed:
+                return disk.flush(timeout)
+            self._calls.append((persist_all, done))
+            self._cv.notify()
+        try:
+            done.result(timeout=max(0.0, end - time.monotonic()))
+        except Exception:  # noqa: BLE001 - a step that outlasts the wait, or a failed copy: what is queued goes
+            pass
+        return disk.flush(max(0.0, end - time.monotonic()))
+
+    def _held(self, prompt: list[int]) -> int:
+        """How long a prefix of ``prompt`` a slot or host RAM holds (the disk lookup's thread asks: a hint)."""
+        held = [list(s.tokens) for s in self.slots] + [e.tokens for e in list(self.saved)]
+        return max((common_prefix(t, prompt) for t in held), default=0)
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    def _persist(self, slot: Slot) -> None:
+        """Store on disk the whole blocks of what ``slot`` holds that are not there yet (engine thread): only the
+        copy of its state out of llama.cpp happens here; the disk cache's writer cuts it into blocks and writes
+        them. Skipped when the writer is too far behind (the next end or reuse of the slot tries again)."""
+        disk = self.disk
+        if disk is None or not disk.enabled or not slot.tokens:
+            return
+        tokens = slot.tokens
+        exact = len(tokens) if slot.shifted_at is None else min(slot.shifted_at, len(tokens))
+        if exact // disk.block <= slot.persisted:
+            return
+        hashes, n_blocks = disk.wanted(tokens, exact)
+        if not hashes:
+            slot.persisted = max(slot.persisted, n_blocks)
+            return
+        size = int(self.lc.llama_state_seq_get_size(self.ctx, slot.seq_id))
+        if size <= 0:
+            return
+        buffer = disk.buffer(size)
+        if buffer is None:
+            return
+        if int(self.lc.llama_state_seq_get_data(self.ctx, _bytes_ptr(buffer), size, slot.seq_id)) != size:
+            disk.give_back(buffer, size)
+            return
+        disk.put(hashes, list(tokens[: n_blocks * disk.block]), buffer, size)
+        slot.persisted = n_blocks
+
+    def _restore_disk(self, seq: Seq, slot: Slot, n: int) -> bool:
+        """Load the first ``n`` tokens of ``seq``'s prompt, read from disk, into ``slot``; False (the slot emptied)
+        when llama.cpp refuses the state."""
+        disk = self.disk
+        _, blob = seq.lookup.result() if seq.lookup is not None else (0, None)
+        if disk is None or blob is None:
+            return False
+        self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+        data = np.frombuffer(blob, dtype=np.uint8)
+        read = int(self.lc.llama_state_seq_set_data(self.ctx, _bytes_ptr(data), data.nbytes, slot.seq_id))
+        if read != data.nbytes:
+            self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+            slot.tokens, slot.shifted_at, slot.persisted = [], None, 0
+            disk.restore_failed(n)
+            return False
+        slot.tokens, slot.shifted_at, slot.persisted = list(seq.prompt[:n]), None, n // disk.block
+        disk.note_restored(n)
+        return True
+
+    def _admissible(self) -> Seq | None:
+        """The first waiting request that may take a slot: one whose disk lookup has finished (or has taken too
+        long: it goes without), or that was cancelled."""
+        for seq in self.waiting:
+            if seq.cancelled or seq.lookup is None or seq.lookup.ready():
+                return seq
+        return None
 
     # -- grammar -------------------------------------------------------------------------------------------------
     def _grammar(self, params: SampleParams) -> Any:
@@ -368,8 +480,15 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._closed and not self._calls and not self.waiting and not any(s.seq for s in self.slots):
-                    self._cv.wait()
+                while (
+                    not self._closed
+                    and not self._calls
+                    and not any(s.seq for s in self.slots)
+                    and (not self.waiting or self._admissible() is None)
+                ):
+                    # requests whose stored prefix is being read: woken when a read ends (``_wake``), or to admit
+                    # one without it after kvdisk.LOOKUP_WAIT
+                    self._cv.wait(0.5 if self.waiting else None)
                 if self._closed:
                     break
                 calls, self._calls = self._calls, []
@@ -390,6 +509,11 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - report to every active request and keep serving
                 self._fail_started(f"llama.cpp error: {exc}", 500)
             self._flush()
+            if self._ended:  # after the send: the copy of their state does not hold up the replies
+                ended, self._ended = self._ended, []
+                for slot in ended:
+                    if slot.seq is None:
+                        self._persist(slot)
             if self._first_token:
                 self._first_token = False
                 if self.first_token_pause > 0:
@@ -466,7 +590,11 @@ class Engine:
             free = [s for s in self.slots if s.seq is None]
             if not free:
                 return
-            seq = self.waiting.popleft()
+            ready = self._admissible()
+            if ready is None:  # every waiting request's stored prefix is still being read
+                return
+            self.waiting.remove(ready)
+            seq = ready
             if seq.cancelled:
                 self._finish(seq, "stop")
                 continue
@@ -487,44 +615,64 @@ class Engine:
         donor = max(self.slots, key=lambda s: common_prefix(s.tokens, seq.prompt))
         donor_len = min(common_prefix(donor.tokens, seq.prompt), n - 1)
         hit, hit_len = self._find_saved(seq.prompt)
+        # the prefix read from disk (only text before the first image, never the last prompt token)
+        disk_len = seq.lookup.result()[0] if seq.lookup is not None else 0
         leader, lead_to = self._leader(seq)
-        if leader is not None and lead_to >= max(reuse, donor_len, hit_len) + MIN_GAIN:
+        if leader is not None and lead_to >= max(reuse, donor_len, hit_len, disk_len) + MIN_GAIN:
             seq.leader, seq.lead_to = leader, lead_to
             seq.pending, seq.rest = [], []
             return
         if len(best.tokens) - reuse >= SAVE_MIN_TOKENS:
             self._save(best)  # what it holds beyond the shared prefix is about to be overwritten
-        restored = False
-        if hit is not None and hit_len >= max(reuse, donor_len) + MIN_GAIN:
-            restored = self._restore(hit, best)
-            if not restored:  # the slot was emptied: nothing of it to reuse
+        restored = 0  # the prefix restored from disk or host RAM
+        if disk_len >= max(reuse, donor_len, hit_len) + MIN_GAIN:
+            if self._restore_disk(seq, best, disk_len):
+                restored = disk_len
+            else:  # the slot was emptied: nothing of it to reuse; the prompt is evaluated
+                reuse = 0
+                donor_len = min(common_prefix(donor.tokens, seq.prompt), n - 1)
+        if seq.lookup is not None:
+            seq.lookup.drop()
+            seq.lookup = None
+        if not restored and hit is not None and hit_len >= max(reuse, donor_len) + MIN_GAIN:
+            if self._restore(hit, best):
+                restored = hit_len
+            else:  # the slot was emptied: nothing of it to reuse
                 reuse = 0
                 donor_len = min(common_prefix(donor.tokens, seq.prompt), n - 1)
         if restored:
-            self.lc.llama_memory_seq_rm(self.mem, best.seq_id, hit_len, -1)
-            best.tokens = best.tokens[:hit_len]
-            reuse = hit_len
+            self.lc.llama_memory_seq_rm(self.mem, best.seq_id, restored, -1)
+            self._trim(best, restored)
+            reuse = restored
         elif donor is not best and donor_len >= reuse + MIN_GAIN:
             # a slot is its own KV stream, and llama.cpp copies between streams only whole: copy, then trim
             self.lc.llama_memory_seq_rm(self.mem, best.seq_id, -1, -1)
             self.lc.llama_memory_seq_cp(self.mem, donor.seq_id, best.seq_id, -1, -1)
             self.lc.llama_memory_seq_rm(self.mem, best.seq_id, donor_len, -1)
-            best.tokens = list(seq.prompt[:donor_len])
+            best.tokens, best.shifted_at, best.persisted = list(donor.tokens), donor.shifted_at, donor.persisted
+            self._trim(best, donor_len)
             reuse = donor_len
         else:
             self.lc.llama_memory_seq_rm(self.mem, best.seq_id, reuse, -1)
-            best.tokens = best.tokens[:reuse]
+            self._trim(best, reuse)
         if seq.media is not None and reuse > seq.media_base:
             # an image is evaluated whole: a cached prefix that ends inside one is cut back to its start
             safe = seq.media_base + seq.media.safe_prefix(reuse - seq.media_base)
             if safe < reuse:
                 self.lc.llama_memory_seq_rm(self.mem, best.seq_id, safe, -1)
-                best.tokens = best.tokens[:safe]
+                self._trim(best, safe)
                 reuse = safe
         seq.pending = list(seq.prompt[reuse:])
         if seq.media is not None:
             seq.pending, seq.rest = split_at_image(seq.pending)
         seq.prompt_cached = reuse
+
+    def _trim(self, slot: Slot, n: int) -> None:
+        """``slot`` keeps its first ``n`` tokens (the caller removed the rest from the KV cache)."""
+        slot.tokens = slot.tokens[:n]
+        slot.persisted = min(slot.persisted, n // self.disk.block) if self.disk is not None else 0
+        if slot.shifted_at is not None and n <= slot.shifted_at:
+            slot.shifted_at = None  # what it keeps was evaluated, and what comes next will be
 
     def _leader(self, seq: Seq) -> tuple[Seq | None, int]:
         """The sequence evaluating the longest prefix of ``seq``'s prompt beyond what its slot holds now, and that
@@ -579,7 +727,9 @@ class Engine:
                 self._save(slot)  # what it holds is about to be overwritten
             self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
             self.lc.llama_memory_seq_cp(self.mem, donor.seq_id, slot.seq_id, -1, -1)
+            slot.tokens, slot.shifted_at, slot.persisted = list(donor.tokens), donor.shifted_at, donor.persisted
         self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, n, -1)  # the leader's tokens since
+        self._trim(slot, n)
         slot.tokens = list(seq.prompt)
         seq.pending, seq.rest, seq.prompt_cached = [], [], n
         row = row.copy()
@@ -622,6 +772,7 @@ class Engine:
         self.lc.llama_memory_seq_rm(self.mem, dst.seq_id, -1, -1)
         self.lc.llama_memory_seq_cp(self.mem, src.seq_id, dst.seq_id, -1, -1)
         dst.tokens, src.tokens = src.tokens, list(src.tokens)
+        dst.shifted_at, dst.persisted = src.shifted_at, src.persisted
         dst.seq, src.seq, seq.slot = seq, None, dst
         dst.last_used = src.last_used = time.monotonic()
 
@@ -699,7 +850,9 @@ class Engine:
         return best, min(best_len, len(prompt) - 1)
 
     def _save(self, slot: Slot) -> None:
-        """Copy the slot's sequence to host RAM (unless it is already there or does not fit ``cache_bytes``)."""
+        """Copy the slot's sequence to host RAM (unless it is already there or does not fit ``cache_bytes``), and
+        its whole blocks not yet on disk to the disk cache."""
+        self._persist(slot)
         if self.cache_bytes <= 0 or not slot.tokens:
             return
         tokens = slot.tokens
@@ -713,7 +866,7 @@ class Engine:
             self.spare.append(buffer)
             return
         self._drop(lambda e: common_prefix(e.tokens, tokens) == len(e.tokens))  # it covers these
-        self.saved.append(Saved(tokens=list(tokens), buffer=buffer, size=size))
+        self.saved.append(Saved(tokens=list(tokens), buffer=buffer, size=size, shifted_at=slot.shifted_at))
         while self.saved_size > self.cache_bytes and (self.spare or len(self.saved) > 1):
             if not self.spare:
                 self._drop(lambda e: e is self.saved[0])  # the oldest: its buffer becomes the spare freed next
@@ -749,9 +902,9 @@ class Engine:
         self._drop(lambda e: e is entry)
         if read <= 0:
             self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
-            slot.tokens = []
+            slot.tokens, slot.shifted_at, slot.persisted = [], None, 0
             return False
-        slot.tokens = list(entry.tokens)
+        slot.tokens, slot.shifted_at, slot.persisted = list(entry.tokens), entry.shifted_at, 0
         return True
 
     def _reap_cancelled(self) -> None:
@@ -891,6 +1044,8 @@ class Engine:
         self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, keep, keep + discard)
         self.lc.llama_memory_seq_add(self.mem, slot.seq_id, keep + discard, -1, -discard)
         slot.tokens = slot.tokens[:keep] + slot.tokens[keep + discard :]
+        slot.shifted_at = keep if slot.shifted_at is None else min(slot.shifted_at, keep)
+        slot.persisted = min(slot.persisted, keep // self.disk.block) if self.disk is not None else 0
         return True
 
     def _accept(self, seq: Seq, token: int, raw: np.ndarray | None) -> None:
@@ -973,6 +1128,8 @@ class Engine:
             stop_sequence=seq.stop_hit,
         )
         self.emit(DoneReply(seq.rid, done))
+        if seq.slot is not None and self.disk is not None:
+            self._ended.append(seq.slot)  # its whole blocks go to disk once this iteration's replies are sent
         self._release(seq)
 
     def _fail_started(self, message: str, status: int) -> None:
@@ -987,7 +1144,7 @@ class Engine:
         self.emit(ErrorReply(seq.rid, message, status))
         if seq.slot is not None:  # what the KV holds for it is no longer trusted
             self.lc.llama_memory_seq_rm(self.mem, seq.slot.seq_id, -1, -1)
-            seq.slot.tokens = []
+            seq.slot.tokens, seq.slot.shifted_at, seq.slot.persisted = [], None, 0
         self._release(seq)
 
     def _release(self, seq: Seq) -> None:
@@ -997,6 +1154,9 @@ class Engine:
         if seq.media is not None:  # libmtmd's chunks (the preprocessed images) are freed with the request
             seq.media.close()
             seq.media = None
+        if seq.lookup is not None:
+            seq.lookup.drop()
+            seq.lookup = None
         with self._cv:
             self.by_rid.pop(seq.rid, None)
             if seq in self.waiting:

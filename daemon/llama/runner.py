@@ -19,7 +19,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from daemon.runners.protocol import (
     BatchReply,
@@ -31,6 +31,7 @@ from daemon.runners.protocol import (
     ErrorReply,
     GenerateOp,
     GenerateRequest,
+    KVDiskInfo,
     LoadedReply,
     LoadErrorReply,
     LoadOp,
@@ -61,6 +62,7 @@ from daemon.runners.protocol import (
 KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml_type values (GGML_TYPE_F16, _Q8_0, _Q4_0)
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
 FAULT_ENV = "CORRAL_TEST_FAULT"
+SHUTDOWN_FLUSH = 3.0  # seconds a shutting-down runner waits for its disk cache's writes
 
 
 def _inject_fault(stage: str, spec: LoadSpec) -> None:
@@ -147,6 +149,7 @@ class Runner:
         self.spec = LoadSpec(model_path="")
         self.projector_gpu = False
         self._embedded = False
+        self.kv_disk = KVDiskInfo()  # the disk cache's state while it has none (off, or why)
         self._log_cb = llama_cpp.llama_log_callback(self._on_log)
         llama_cpp.llama_log_set(self._log_cb, ctypes.c_void_p(0))
 
@@ -259,6 +262,91 @@ class Runner:
         if spec.projector_path:
             self.engine.call(lambda: self._load_projector(spec.projector_path, threads, flash))
             self.engine.set_media(self._eval_media)
+        if spec.kv_disk_dir and spec.kv_disk_bytes > 0:
+            self._open_disk_cache(spec)
+
+    # -- the prompt cache on disk (issue 27, daemon/llama/kvdisk.py) ------------------------------------------------
+    def _open_disk_cache(self, spec: LoadSpec) -> None:
+        """Keep prompts' KV state on disk under ``spec.kv_disk_dir``, keyed by the daemon's part of the key
+        (model, adapters, projector, KV type, flash attention, rope parameters), this llama.cpp build and how the
+        model was offloaded. A model whose state cannot be cut into blocks keeps none (one log line)."""
+        import json
+
+        from daemon.llama.kvdisk import DiskCache, build_id, cache_key, log
+        from daemon.runners.kvstore import KVStore
+
+        lc, model = self.lc, self.model.model
+        reason = ""
+        if lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model):
+            reason = "a recurrent or hybrid model's state cannot be cut into blocks"
+        elif int(lc.llama_model_n_swa(model)) > 0:
+            reason = "a sliding-window model's state cannot be cut into blocks"
+        elif not spec.kv_key:
+            reason = "the daemon sent no cache key"
+        n_stream = 0
+        if not reason:
+            try:
+                n_stream = self.engine.call(self._n_stream)
+            except Exception as exc:  # noqa: BLE001 - no disk cache, the model serves as before
+                reason = f"llama.cpp's state of this model cannot be cut into blocks ({exc})"
+        if reason:
+            log(f"off for this model: {reason}")
+            self.kv_disk = KVDiskInfo(dir=spec.kv_disk_dir, limit_bytes=spec.kv_disk_bytes, reason=reason)
+            return
+        try:
+            described = json.loads(spec.kv_key)
+        except ValueError:
+            described = {}
+        if not isinstance(described, dict):
+            described = {}
+        build = build_id(lc)
+        n_layer = int(lc.llama_model_n_layer(model))
+        offload = "all" if spec.num_gpu < 0 or spec.num_gpu >= n_layer else str(spec.num_gpu)
+        offload = offload if lc.llama_supports_gpu_offload() else "0"
+        runner_part = f"offload={offload} extra_bufts={spec.extra_bufts}"
+        key = cache_key(spec.kv_key, build, runner_part)
+        meta = {
+            "model": str(described.get("model", "")),
+            "adapters": json.dumps(described.get("adapters", [])),
+            "projector": str(described.get("projector", "")),
+            "build": "; ".join(build.splitlines()[:2]),
+        }
+        try:
+            store = KVStore(spec.kv_disk_dir, key, spec.kv_disk_bytes, meta)
+        except (ValueError, OSError) as exc:
+            log(f"off for this model: {exc}")
+            self.kv_disk = KVDiskInfo(dir=spec.kv_disk_dir, limit_bytes=spec.kv_disk_bytes, reason=str(exc))
+            return
+        disk = DiskCache(store, key=key, n_stream=n_stream, root=spec.kv_disk_dir, limit_bytes=spec.kv_disk_bytes)
+        self.engine.attach_disk(disk)
+
+    def _n_stream(self) -> int:
+        """The stream count at the head of this context's sequence states (kvblocks.join writes it): read from an
+        empty sequence's state (engine thread), which also tells whether the state can be cut into blocks at all
+        (kvblocks.Unsplittable: a sliding-window, recurrent or hybrid memory's does not parse as a KV cache's)."""
+        from daemon.llama.kvblocks import n_stream_of, split
+
+        lc, ctx = self.lc, self.context.ctx
+        size = int(lc.llama_state_seq_get_size(ctx, 0))
+        buf = (ctypes.c_uint8 * max(size, 1))()
+        if size <= 0 or int(lc.llama_state_seq_get_data(ctx, buf, size, 0)) != size:
+            raise RuntimeError("llama.cpp gave no state for an empty sequence")
+        state = bytes(buf)
+        split(state, 0)
+        return n_stream_of(state)
+
+    def kv_disk_info(self) -> KVDiskInfo:
+        engine = self.engine
+        if engine is not None and engine.disk is not None:
+            info: KVDiskInfo = engine.disk.info()
+            return info
+        return self.kv_disk
+
+    def flush_disk(self, timeout: float) -> None:
+        """Before the runner exits (a shutdown): what its slots hold goes to disk, within ``timeout`` seconds."""
+        engine = self.engine
+        if engine is not None and engine.disk is not None:
+            engine.flush_disk(timeout)
 
     def _fully_offloaded(self) -> bool:
         """Every layer on a GPU: llama.cpp's CPU threads then wait on the device instead of computing."""
@@ -332,6 +420,7 @@ class Runner:
     def close(self) -> None:
         """Free in dependency order: the engine, the projector (it points at the model), the context, the model."""
         if self.engine is not None:
+            self.flush_disk(SHUTDOWN_FLUSH)
             self.engine.close()
             self.engine = None
         if self.projector is not None:
@@ -619,7 +708,8 @@ class Runner:
         return EmbedReply(op.id, self.embed(op.inputs, op.truncate))
 
     def _slots(self, op: SlotsOp) -> Reply:
-        return SlotsReply(op.id, tuple(self.engine.slots_info()) if self.engine is not None else ())
+        slots = tuple(self.engine.slots_info()) if self.engine is not None else ()
+        return SlotsReply(op.id, slots, self.kv_disk_info())
 
     def _tokenize(self, op: TokenizeOp) -> Reply:
         return TokensReply(op.id, tuple(self.tokenize(op.text, op.add_special)))
@@ -699,6 +789,14 @@ def main() -> None:
         if rid is not None:
             chan.send(ErrorReply(rid, f"the runner could not read the request: {exc}", 500))
 
+    def shutdown() -> NoReturn:
+        """End the process at once, after what the slots hold has gone to the disk cache (within
+        ``SHUTDOWN_FLUSH`` seconds: the daemon kills a runner that takes 5)."""
+        if runner_ref:
+            with contextlib.suppress(Exception):
+                runner_ref[0].flush_disk(SHUTDOWN_FLUSH)
+        os._exit(0)
+
     def read() -> None:
         stdin = sys.stdin.buffer
         while True:
@@ -707,7 +805,7 @@ def main() -> None:
             except Exception:  # noqa: BLE001 - a length past MAX_FRAME: the stream cannot be read on
                 data = None
             if data is None:
-                os._exit(0)
+                shutdown()
             try:
                 obj = parse_payload(data)
                 op = decode_op(obj)
@@ -715,7 +813,7 @@ def main() -> None:
                 malformed(exc, data)
                 continue
             if isinstance(op, ShutdownOp):
-                os._exit(0)
+                shutdown()
             if isinstance(op, CancelOp):
                 if runner_ref:
                     runner_ref[0].cancel(op.id)

@@ -1,8 +1,9 @@
 """The process boundary of a runner, checked on the source (read with ``ast``; nothing is imported, so a
 function-level import counts as much as a module-level one): only the child side, ``daemon/llama/``, imports numpy
 or llama_cpp; the child side takes nothing from the daemon but the runner protocol module (``daemon.runners.protocol``,
-which both sides share) and the option defaults; and the daemon's side names a child module only as the command it
-runs (``python -m daemon.llama.runner``), never by importing it. tests/test_layers.py checks the layers above."""
+which both sides share), the option defaults and the prompt cache's store (``daemon.runners.kvstore``, shared too);
+and the daemon's side names a child module only as the command it runs (``python -m daemon.llama.runner``), never by
+importing it. tests/test_layers.py checks the layers above."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 PACKAGES = ("errors", "modelfile", "registry", "daemon", "cli")
 CHILD = "daemon.llama"
 NATIVE = {"numpy", "llama_cpp"}
-# what the child side may take from the project: the protocol module and, through it, the option defaults
-CHILD_MAY_IMPORT = {"daemon.runners.protocol", "modelfile.params"}
+# what the child side may take from the project: the protocol module and, through it, the option defaults; and the
+# prompt cache's store on disk (issue 27), which the daemon reads too (its stats, `corral prune`)
+CHILD_MAY_IMPORT = {"daemon.runners.protocol", "modelfile.params", "daemon.runners.kvstore"}
 
 
 def modules() -> list[tuple[str, Path]]:
@@ -79,3 +81,11 @@ def test_the_protocol_module_is_pure() -> None:
     ours = {m for m in imported(path) if m.split(".")[0] in PACKAGES}
     assert ours <= {"modelfile.params"}, ours
     assert not {m for m in imported(path) if m.split(".")[0] in NATIVE}
+
+
+def test_the_store_module_is_pure() -> None:
+    """The runner child and the daemon both import the prompt cache's store: the standard library only."""
+    path = ROOT / "daemon" / "runners" / "kvstore.py"
+    found = imported(path)
+    assert not {m for m in found if m.split(".")[0] in PACKAGES}, found
+    assert not {m for m in found if m.split(".")[0] in NATIVE}, found
