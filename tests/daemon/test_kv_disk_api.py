@@ -9,8 +9,10 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,8 +22,8 @@ import pytest
 
 from daemon.generation.inference import Inference
 from daemon.settings import KV_DISK_MAX_DEFAULT, GiB, Settings, SettingsError
-from tests.conftest import REPO, free_port, start_daemon, stop_daemon
-from tests.models import write_tiny_gguf
+from tests.conftest import REPO, Daemon, free_port, start_daemon, stop_daemon
+from tests.models import smollm2_path, write_tiny_gguf
 
 
 # -- settings ----------------------------------------------------------------------------------------------------------
@@ -230,3 +232,134 @@ def _modelfile(tmp: Path, gguf: Path) -> Path:
     mf = tmp / f"{gguf.stem}.Modelfile"
     mf.write_text(f"FROM {gguf}\n")
     return mf
+
+
+# -- end to end: a long prompt restored from disk ---------------------------------------------------------------------
+SMOL = smollm2_path()
+needs_smol = pytest.mark.skipif(SMOL is None, reason="SmolLM2 is not cached (run scripts/fetch_smollm2.py)")
+GREEDY = {"temperature": 0, "seed": 42, "max_tokens": 16}
+OPTIONS = {"num_ctx": 2048}  # through the model's PARAMETER: OpenAI's API has no num_ctx
+
+
+def _system(topic: str) -> str:
+    """A system prompt of about 870 tokens (three full blocks and more), different from its first line per topic."""
+    facts = [
+        f"Rule {i}: when asked about {topic} number {i}, answer with the colour of item {i * 7 % 13}."
+        for i in range(40)
+    ]
+    return f"You are a careful assistant for {topic}.\n" + "\n".join(facts)
+
+
+def _ask(d: Daemon, topic: str) -> tuple[str, int, int]:
+    """The greedy answer to a question after the long system prompt; prompt tokens and how many were cached."""
+    r = httpx.post(
+        d.url + "/v1/chat/completions",
+        timeout=300,
+        json={
+            "model": "smol",
+            "messages": [{"role": "system", "content": _system(topic)}, {"role": "user", "content": "Rule 5?"}],
+            **GREEDY,
+        },
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    usage = body["usage"]
+    return (
+        body["choices"][0]["message"]["content"],
+        usage["prompt_tokens"],
+        usage["prompt_tokens_details"]["cached_tokens"],
+    )
+
+
+def _unload(d: Daemon) -> None:
+    r = httpx.post(d.url + "/api/generate", json={"model": "smol", "keep_alive": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 60
+    while httpx.get(d.url + "/api/ps", timeout=30).json()["models"]:
+        assert time.monotonic() < deadline, "the model was not unloaded"
+        time.sleep(0.2)
+
+
+def _blocks_on_disk(d: Daemon, want: int) -> dict[str, Any]:
+    """Wait (the runner writes on its own thread) until /api/ps shows ``want`` blocks on disk; the model's entry."""
+    deadline = time.monotonic() + 60
+    while True:
+        models = httpx.get(d.url + "/api/ps", timeout=30).json()["models"]
+        kv = models[0].get("kv_disk") if models else None
+        if kv and kv.get("entries", 0) >= want:
+            return dict(kv)
+        assert time.monotonic() < deadline, f"no {want} blocks on disk: {models}"
+        time.sleep(0.2)
+
+
+def _files_on_disk(root: Path, want: int) -> None:
+    """Wait until ``want`` block files are on disk under ``root``."""
+    deadline = time.monotonic() + 60
+    while len(list(root.rglob("*.kvb"))) < want:
+        assert time.monotonic() < deadline, f"fewer than {want} blocks in {root}: {list(root.rglob('*'))}"
+        time.sleep(0.2)
+
+
+def _runner_pid(d: Daemon) -> int:
+    import psutil
+
+    children = psutil.Process(d.proc.pid).children(recursive=True)
+    assert len(children) == 1, children
+    return int(children[0].pid)
+
+
+@needs_smol
+def test_restored_after_unload_kill_and_restart_gives_the_cold_answer(tmp_path: Path) -> None:
+    assert SMOL is not None
+    env = {"CORRAL_KV_DISK": "1GiB", "CORRAL_NUM_PARALLEL": "1"}
+    mf = tmp_path / "Modelfile"
+    mf.write_text(f"FROM {SMOL}\nPARAMETER num_ctx {OPTIONS['num_ctx']}\n")
+    d = start_daemon(tmp_path / "models", tmp_path / "daemon.log", env)
+    try:
+        made = d.cli("create", "smol", "-f", str(mf))
+        assert made.returncode == 0, made.stderr
+        cold, n_prompt, cached = _ask(d, "gardening")
+        assert n_prompt > 2 * 256 and cached == 0 and cold
+        blocks = (n_prompt - 1) // 256  # full blocks before the last token
+        kv = _blocks_on_disk(d, blocks)
+        assert kv["enabled"] is True and kv["bytes"] > 0
+
+        # after an unload: the next runner restores the prefix from disk
+        _unload(d)
+        again, _, cached = _ask(d, "gardening")
+        assert again == cold and cached >= blocks * 256, (again, cold, cached)
+        kv = _blocks_on_disk(d, blocks)
+        assert kv["hits"] >= 1 and kv["restored_tokens"] >= blocks * 256
+
+        # after kill -9 of the runner: what a finished request wrote is on disk already
+        cold_b, n_b, cached_b = _ask(d, "astronomy")
+        assert cached_b < 256  # the slot's few tokens in common with gardening's prompt, no block from disk
+        blocks_b = (n_b - 1) // 256
+        _files_on_disk(tmp_path / "kv-models", blocks + blocks_b)  # the two prompts share no block
+        import psutil
+
+        runner = psutil.Process(_runner_pid(d))
+        runner.send_signal(signal.SIGKILL)
+        runner.wait(30)
+        again_b, _, cached_b = _ask(d, "astronomy")
+        assert again_b == cold_b and cached_b >= blocks_b * 256, (again_b, cold_b, cached_b)
+    finally:
+        stop_daemon(d)
+
+    # after a daemon restart
+    d = start_daemon(tmp_path / "models", tmp_path / "daemon2.log", env)
+    try:
+        again, _, cached = _ask(d, "gardening")
+        assert again == cold and cached >= blocks * 256, (again, cold, cached)
+        ps = d.cli("ps")
+        assert ps.returncode == 0 and "prompt cache on disk:" in ps.stdout, ps.stdout + ps.stderr
+        # /metrics counts the restored tokens as cached
+        metrics = httpx.get(d.url + "/metrics", timeout=30).text
+        counted = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("corral_prompt_cached_tokens_total{")
+        )
+        assert counted >= blocks * 256, metrics
+    finally:
+        stop_daemon(d)
