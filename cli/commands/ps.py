@@ -92,8 +92,8 @@ def notes(models: list[dict[str, Any]], prefix: str | None = None) -> list[str]:
         if m.get("fallback"):
             out.append(f"{name} runs with {m['fallback']}")
         kv = m.get("kv_disk")
-        if isinstance(kv, dict):
-            out.append(f"{name} {kv_disk_note(kv)}")
+        if isinstance(kv, dict) and (not kv.get("enabled") or kv.get("entries") or kv.get("hits") or kv.get("misses")):
+            out.append(f"{name} {kv_disk_note(kv)}")  # an empty cache nothing has asked yet says nothing
     return [""] + out if out else []
 
 

@@ -179,6 +179,8 @@ def test_ps_shows_the_cache_per_model() -> None:
     lines = notes([{"name": "a:latest", "kv_disk": shown}, {"name": "b:latest", "kv_disk": off}])
     assert "a:latest prompt cache on disk: 3 blocks, 3 MB, hits 75% of 4 lookups, 768 tokens restored" in lines
     assert "b:latest keeps no prompt cache on disk (its KV cache is not a standard one)" in lines
+    empty = kv_disk_json(KVDiskInfo("/kv", GiB, enabled=True))
+    assert empty is not None and notes([{"name": "c:latest", "kv_disk": empty}]) == []
 
 
 # -- corral prune ------------------------------------------------------------------------------------------------------
