@@ -59,3 +59,6 @@ def prune(
         output.out(f"{len(files)} files, {freed} would be freed")
     else:
         output.out(f"{len(files)} files removed, {freed} freed")
+        cache = int(result.get("kv_disk_bytes_freed") or 0)
+        if cache:
+            output.out(f"prompt caches of removed models: {output.format_size(cache)} freed")

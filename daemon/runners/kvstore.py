@@ -205,6 +205,26 @@ def usage(root: str | os.PathLike[str]) -> int:
     return sum(_size(e) for e in _walk(os.fspath(root)))
 
 
+def _only_blocks(path: str) -> bool:
+    """Whether a directory without a readable meta.json holds nothing but this store's files (``hh/`` folders of
+    block files and temp files, a damaged meta.json): only such a directory is a cache that prune may remove."""
+    try:
+        for entry in os.scandir(path):
+            if entry.name == META:
+                continue
+            if not (entry.is_dir(follow_symlinks=False) and re.fullmatch(r"[0-9a-f]{2}", entry.name)):
+                return False
+            for inner in os.scandir(entry.path):
+                name = inner.name
+                if not inner.is_file(follow_symlinks=False):
+                    return False
+                if not (name.endswith(SUFFIX) or (name.startswith(".") and name.endswith(".tmp"))):
+                    return False
+    except OSError:
+        return False
+    return True
+
+
 def prune(root: str | os.PathLike[str], keep: Collection[str]) -> int:
     """Remove every key directory under ``root`` whose meta.json names a model digest not in ``keep`` (or that has
     no readable meta.json); the bytes freed."""
@@ -214,13 +234,15 @@ def prune(root: str | os.PathLike[str], keep: Collection[str]) -> int:
     except OSError:
         return 0
     for entry in entries:
-        if not entry.is_dir(follow_symlinks=False):
+        if not entry.is_dir(follow_symlinks=False) or not _KEY.fullmatch(entry.name):
             continue
         try:
             meta = json.loads(Path(entry.path, META).read_text(encoding="utf-8"))
             model = meta.get("model") if isinstance(meta, dict) else None
         except (OSError, ValueError):
             model = None
+            if not _only_blocks(entry.path):
+                continue  # not a cache directory (CORRAL_KV_DISK_DIR may be shared): never removed
         if isinstance(model, str) and model in keep:
             continue
         size = usage(entry.path)

@@ -45,6 +45,7 @@ def start_daemon_with_short_write_timeout(tmp: Path) -> Daemon:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CORRAL_", "OLLAMA_"))}
     env.update({"CORRAL_HOST": host, "CORRAL_MODELS": str(tmp / "models"), "PYTHONPATH": str(REPO)})
     env["CORRAL_NUM_PARALLEL"] = "1"
+    env["CORRAL_KV_DISK_DIR"] = str(tmp / "kv")  # never the user's own cache folder
     log = tmp / "daemon.log"
     logf = open(log, "wb")  # noqa: SIM115 - the daemon's, closed with it
     proc = subprocess.Popen([sys.executable, "-c", LAUNCH], env=env, cwd=REPO, stdout=logf, stderr=logf)

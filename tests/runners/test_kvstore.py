@@ -713,3 +713,22 @@ def test_a_bad_key_is_refused() -> None:
     for bad in ("", "../x", ".hidden", "a/b", "x" * 200):
         with pytest.raises(ValueError):
             KVStore("/tmp/never", bad, 1, {})
+
+
+def test_prune_leaves_what_is_not_a_cache_alone(tmp_path: Path) -> None:
+    """CORRAL_KV_DISK_DIR may be a folder the user shares with other things (~/.cache): prune removes only caches
+    (a readable meta.json naming a model that is gone, or nothing but this store's block files), never other
+    folders, whatever their names."""
+    gone = "sha256:" + "b" * 64
+    dropped = store(tmp_path, key="k" + "4" * 63, meta={"model": gone})
+    save_all(dropped, prompt(2, 3))
+    other = tmp_path / "pip"  # somebody else's cache
+    (other / "http").mkdir(parents=True)
+    (other / "http" / "wheel.bin").write_bytes(b"w" * 100)
+    lookalike = tmp_path / ("k" + "7" * 63)  # a cache's name, but a user's file in it
+    (lookalike / "ab").mkdir(parents=True)
+    (lookalike / "ab" / "notes.txt").write_text("mine")
+    prune(tmp_path, set())
+    assert not (tmp_path / ("k" + "4" * 63)).exists()
+    assert (other / "http" / "wheel.bin").read_bytes() == b"w" * 100
+    assert (lookalike / "ab" / "notes.txt").read_text() == "mine"
