@@ -99,6 +99,7 @@ class Corral:
             {
                 "CORRAL_HOST": f"127.0.0.1:{self.port}",
                 "CORRAL_MODELS": str(work / "models"),
+                "CORRAL_KV_DISK_DIR": str(work / "kv"),  # its own prompt cache on disk, never the user's
                 "PYTHONPATH": str(REPO),
                 "CORRAL_NUM_PARALLEL": str(slots),
             }
