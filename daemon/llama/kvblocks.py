@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-BLOCK_TOKENS = 256  # tokens per block: the value of daemon.runners.kvstore.BLOCK_TOKENS
+from daemon.runners.kvstore import BLOCK_TOKENS
 
 MAGIC = b"CKVB"
 SEQ_MAGIC = 0xAF143CD8  # the header of a sequence state (llama-context.cpp io_magic), then the source seq id

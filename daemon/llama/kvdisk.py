@@ -16,7 +16,6 @@ a block that cannot be written is left out, one that cannot be read or joined is
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import os
 import queue
@@ -334,7 +333,3 @@ class DiskCache:
             self.flush(timeout)
         self._writes.put(None)
         self._lookups.put(None)
-
-
-def bytes_ptr(data: np.ndarray) -> Any:
-    return data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
