@@ -222,6 +222,18 @@ def parse_duration(value: object, what: str = "keep_alive") -> float:
     return math.inf if seconds < 0 else seconds
 
 
+def parse_keep_alive_env(raw: str) -> float:
+    """``CORRAL_KEEP_ALIVE`` as Ollama reads ``OLLAMA_KEEP_ALIVE``: a Go duration, or else a whole number of seconds
+    ("-1" and "300" are what its docs and users write); negative -> forever; unset -> 5 minutes."""
+    text = _unquote(raw)
+    if not text:
+        return 300.0
+    if re.fullmatch(r"[+-]?[0-9]+", text):
+        seconds = int(text)
+        return math.inf if seconds < 0 else float(seconds)
+    return parse_duration(text, "CORRAL_KEEP_ALIVE")
+
+
 def _bool(value: str) -> bool:
     return value.strip().lower() in ("1", "t", "true", "yes", "on")
 
@@ -445,7 +457,7 @@ class Settings:
         return cls(
             host=parse_host(get("CORRAL_HOST")),
             models=models_dir,
-            keep_alive=parse_duration(keep, "CORRAL_KEEP_ALIVE") if keep else 300.0,
+            keep_alive=parse_keep_alive_env(keep),
             max_loaded_models=_int(environ, "CORRAL_MAX_LOADED_MODELS", 0),
             num_parallel=_int(environ, "CORRAL_NUM_PARALLEL", 0),
             max_queue=_int(environ, "CORRAL_MAX_QUEUE", 512),

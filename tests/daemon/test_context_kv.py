@@ -4,6 +4,7 @@ SmolLM2 (trained context 8192)."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -308,3 +309,17 @@ def test_q8_0_kv_is_smaller_and_greedy_equals_in_process(auto_daemon: Daemon, q8
     # CPUs, whose kernels round the q8_0 cache's dot products differently: 19 on an AVX2-only Zen 3)
     assert body["eval_count"] == ref["usage"]["completion_tokens"]
     assert body["done_reason"] == ref["choices"][0]["finish_reason"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "want"),
+    [("-1", math.inf), ("300", 300.0), ("0", 0.0), ("5m", 300.0), ("-1m", math.inf), ('"24h"', 86400.0), ("", 300.0)],
+)
+def test_keep_alive_env_reads_as_ollama_does(raw: str, want: float) -> None:
+    """OLLAMA_KEEP_ALIVE is a Go duration or else whole seconds: "-1" (forever) is what its FAQ tells users to set."""
+    assert Settings.from_env({"CORRAL_KEEP_ALIVE": raw}).keep_alive == want
+
+
+def test_keep_alive_env_refuses_what_ollama_cannot_read() -> None:
+    with pytest.raises(SettingsError, match='CORRAL_KEEP_ALIVE "soon" is not a duration'):
+        Settings.from_env({"CORRAL_KEEP_ALIVE": "soon"})
