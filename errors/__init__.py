@@ -26,17 +26,20 @@ process (or before the daemon serves), never answered over HTTP.
     │   ├── InvalidManifest     400 a malformed manifest, from disk or from a registry
     │   ├── InsecureRegistry    400 a plain-HTTP registry named without --insecure
     │   ├── NotSupported        400 something corral does not do (yet); the message says what to do instead
+    │   │   └── SlotsUnavailable  501 saving slots needs the prompt cache on disk, which is off [daemon.runners.base]
     │   ├── ModelfileError      400 a Modelfile that does not parse or render, file:line:col [modelfile.errors]
     │   ├── ParameterError      400 an unknown parameter, or a value of the wrong type [modelfile.errors]
     │   ├── InvalidArchive      400 an archive /api/import refuses [registry.oci]
     │   ├── BodyTooLarge        400 a body over MAX_JSON_BODY; 413 in Anthropic's shape [daemon.api.bodies]
     │   ├── BadParam            400 a parameter of the wrong type or value, named [daemon.api.compat]
     │   ├── TemplateError       400 a template that fails to parse or execute [daemon.templates.gotemplate]
-    │   └── RunnerRequestError  400 the runner refused a request: prompt too long, bad grammar [daemon.runners.process]
+    │   ├── RunnerRequestError  400 the runner refused a request: prompt too long, bad grammar [daemon.runners.process]
+    │   └── SlotRefused         400 a bad slot id or filename, a saved slot it cannot restore [daemon.runners.base]
     ├── NotFound                404
     │   ├── ModelNotFound       404 no model of that name here
     │   ├── BlobNotFound        404 no blob of that digest in the store
-    │   └── RegistryNotFound    404 the registry has no such model or blob
+    │   ├── RegistryNotFound    404 the registry has no such model or blob
+    │   └── SlotNotFound        404 no saved slot of that name for this model [daemon.runners.base]
     ├── RegistryError           502 a remote registry failed, refused us or misbehaved
     │   ├── RegistryUnauthorized  502 no credentials, or the registry refused them
     │   ├── RegistryUnreachable   502 DNS, refused connection, TLS failure, timeouts
@@ -46,12 +49,14 @@ process (or before the daemon serves), never answered over HTTP.
     ├── CredentialsError        500 a registry credentials file cannot be read or written
     ├── StoreLocked             503 another daemon owns the models directory
     ├── StoreError              500 the store could not be read or written
-    │   └── InsufficientSpace   507 not enough free disk space for a pull
+    │   ├── InsufficientSpace   507 not enough free disk space for a pull
+    │   └── SlotNoRoom          507 a saved slot does not fit CORRAL_KV_DISK, or the disk is full [daemon.runners.base]
     ├── Cancelled               500 every pull waiting on a download went away [registry.download]
     ├── RunnerError             500 a runner failed; or the status the runner sent [daemon.runners.base]
     │   ├── LoadFailed          500 the model could not be loaded (signal, stage) [daemon.runners.base]
     │   ├── RunnerCrashed       500 the runner died while serving (signal, early) [daemon.runners.base]
     │   └── RunnerUnusable      500 crashed in every configuration: refused for a while [daemon.scheduling.fallback]
+    ├── SlotBusy                409 the slot is serving a request [daemon.runners.base]
     ├── SchedulerError          500 the scheduler could not place a request [daemon.scheduling.scheduler]
     │   ├── QueueFull           503 too many requests wait for models; Retry-After [daemon.scheduling.scheduler]
     │   └── InsufficientMemory  500 the model does not fit the RAM/VRAM budget [daemon.scheduling.scheduler]

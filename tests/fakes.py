@@ -16,6 +16,9 @@ from daemon.runners.base import (
     MemoryUse,
     Piece,
     SlotInfo,
+    SlotRefused,
+    SlotResult,
+    SlotsUnavailable,
     Token,
 )
 
@@ -75,6 +78,17 @@ class FakeRunner:
 
     async def slots(self) -> list[SlotInfo]:
         return [SlotInfo(0, False, 0)]
+
+    async def save_slot(self, slot: int, filename: str) -> SlotResult:
+        raise SlotsUnavailable("the fake runner keeps no prompt cache on disk")
+
+    async def restore_slot(self, slot: int, filename: str) -> SlotResult:
+        raise SlotsUnavailable("the fake runner keeps no prompt cache on disk")
+
+    async def erase_slot(self, slot: int) -> SlotResult:
+        if slot != 0:
+            raise SlotRefused(f"there is no slot {slot}: this model has slots 0 to 0")
+        return SlotResult(slot, 0)  # its one slot holds nothing
 
     async def close(self) -> None:
         self.closed = True

@@ -340,6 +340,81 @@ class Engine:
     def slots_info(self) -> list[SlotInfo]:
         return [SlotInfo(s.seq_id, s.seq is not None, len(s.tokens)) for s in self.slots]
 
+    # -- saved slots (llama-server's /slots/{id}?action=save|restore|erase; the files: kvdisk.SlotFiles) ---------------
+    def slot_state(self, slot_id: int) -> tuple[list[int], int | None, bytes]:
+        """What idle slot ``slot_id`` holds: its tokens, where a context shift moved its KV (None: never) and
+        llama.cpp's state of its sequence (engine thread: run it through :meth:`call`). EngineError 400 for a slot
+        that does not exist, 409 for one serving a request."""
+        slot = self._idle_slot(slot_id)
+        if not slot.tokens:
+            return [], None, b""
+        size = int(self.lc.llama_state_seq_get_size(self.ctx, slot.seq_id))
+        buffer = np.empty(max(size, 1), dtype=np.uint8)
+        if size <= 0 or int(self.lc.llama_state_seq_get_data(self.ctx, _bytes_ptr(buffer), size, slot.seq_id)) != size:
+            raise EngineError(f"llama.cpp gave no state for slot {slot_id}", 500)
+        return list(slot.tokens), slot.shifted_at, buffer[:size].tobytes()
+
+    def restore_slot(self, slot_id: int, tokens: list[int], shifted_at: int | None, state: bytes) -> None:
+        """Put a saved slot's state into idle slot ``slot_id`` (engine thread: through :meth:`call`): it holds
+        ``tokens`` afterwards, so the next request whose prompt starts with them takes this slot and evaluates only
+        the rest, as if the slot had evaluated them itself. Refused with EngineError, the slot unchanged: 400 a slot
+        that does not exist, tokens that do not fit a slot's context or that are not this model's, or a state
+        llama.cpp does not take; 409 a slot serving a request."""
+        slot = self._idle_slot(slot_id)
+        if not tokens:
+            raise EngineError("the saved slot holds no tokens")
+        if len(tokens) >= self.n_ctx_slot:
+            raise EngineError(
+                f"the saved slot holds {len(tokens)} tokens; a slot of this model holds at most {self.n_ctx_slot - 1} "
+                f"(num_ctx {self.n_ctx_slot}): load the model with a larger num_ctx to restore it"
+            )
+        bad = check_token_ids([t for t in tokens if t >= 0], self.n_vocab)
+        if bad is not None:
+            raise EngineError("the saved slot's token ids are not this model's (a file of another vocabulary)")
+        previous = b""
+        if slot.tokens:  # kept, to be put back if llama.cpp refuses the saved state
+            previous = self.slot_state(slot_id)[2]
+        self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+        data = np.frombuffer(state, dtype=np.uint8)
+        read = int(self.lc.llama_state_seq_set_data(self.ctx, _bytes_ptr(data), data.nbytes, slot.seq_id))
+        if read != data.nbytes:
+            self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+            back = np.frombuffer(previous, dtype=np.uint8)
+            if not previous or int(
+                self.lc.llama_state_seq_set_data(self.ctx, _bytes_ptr(back), back.nbytes, slot.seq_id)
+            ) != len(previous):
+                self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+                slot.tokens, slot.shifted_at, slot.persisted = [], None, 0
+            raise EngineError(
+                "llama.cpp refused the saved slot's state (saved with another context layout or damaged); "
+                "the slot is unchanged"
+            )
+        slot.tokens, slot.shifted_at, slot.persisted = list(tokens), shifted_at, 0
+        slot.last_used = time.monotonic()
+
+    def erase_slot(self, slot_id: int) -> int:
+        """Empty idle slot ``slot_id``'s KV cache (engine thread: through :meth:`call`); the tokens it held."""
+        slot = self._idle_slot(slot_id)
+        n = len(slot.tokens)
+        self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+        slot.tokens, slot.shifted_at, slot.persisted = [], None, 0
+        return n
+
+    def check_slot(self, slot_id: int) -> None:
+        """EngineError 400 unless slot ``slot_id`` exists (any thread)."""
+        if not 0 <= slot_id < len(self.slots):
+            raise EngineError(
+                f"there is no slot {slot_id}: this model has slots 0 to {len(self.slots) - 1} (num_parallel "
+                f"{len(self.slots)})"
+            )
+
+    def _idle_slot(self, slot_id: int) -> Slot:
+        self.check_slot(slot_id)
+        slot = self.slots[slot_id]
+        if slot.seq is not None:
+            raise EngineError(f"slot {slot_id} is serving a request; try again when it is idle", 409)
+        return slot
+
     # -- the prompt cache on disk (kvdisk.py) -----------------------------------------------------------------------
     def attach_disk(self, disk: DiskCache) -> None:
         """Keep prompts' KV on disk too: what a slot holds is stored when its sequence ends or before the slot is

@@ -16,9 +16,11 @@ a block that cannot be written is left out, one that cannot be read or joined is
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import queue
+import struct
 import sys
 import threading
 import time
@@ -29,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from daemon.llama.kvblocks import Unsplittable, join, split
-from daemon.runners.kvstore import BLOCK_TOKENS, KVStore, chain_hashes
-from daemon.runners.protocol import KVDiskInfo
+from daemon.runners.kvstore import BLOCK_TOKENS, KVStore, _Ledger, _RootLock, _write_atomic, chain_hashes
+from daemon.runners.protocol import KVDiskInfo, check_slot_name
 
 # Snapshots waiting for the writer may hold this many bytes (a larger one is taken only when none waits): a disk
 # slower than the requests drops snapshots instead of filling the runner's memory
@@ -333,3 +335,236 @@ class DiskCache:
             self.flush(timeout)
         self._writes.put(None)
         self._lookups.put(None)
+
+
+# -- saved slots (llama-server's /slots/{id}?action=save|restore) ------------------------------------------------------
+SLOTS_DIR = "slots"  # <root>/<key>/slots/<filename>: beside the key's blocks, so `corral prune` keeps them with it
+SLOT_MAGIC = b"CSLT"
+SLOT_VERSION = 1
+LAYOUT_BLOCK = 1  # the payload is one kvblocks block of every position: restored into any stream layout (join)
+LAYOUT_RAW = 2  # the payload is llama.cpp's state as written (a memory kvblocks cannot cut): the same layout only
+# magic, version, layout, n_stream, token count, shifted_at (-1: never shifted), payload length, sha256 of the token
+# ids and the payload, key length
+_SLOT_HEAD = struct.Struct("<4sHHIIqQ32sH")
+MAX_SLOT_FILE = 1 << 40  # a length in a header beyond this is damage, not a file to read
+
+
+class SlotFileError(Exception):
+    """A saved slot that cannot be written or read: ``status`` is what the daemon answers (400 the request's or
+    the file's fault, 404 no such file, 507 no room under the bound, 500 the disk failed)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class SlotFile:
+    """A saved slot as read back: its tokens, where its KV was shifted (None: never), llama.cpp's state in the
+    file's layout, and the file's size."""
+
+    tokens: list[int]
+    shifted_at: int | None
+    layout: int
+    n_stream: int
+    payload: bytes
+    size: int
+
+
+class SlotFiles:
+    """The saved slots of one cache key: ``<root>/<key>/slots/<filename>``. A file is a header (magic, version,
+    layout, the stream count, token count, shift, payload length, sha256 of the token ids and payload, the cache
+    key), the token ids (i32) and the payload, written atomically (a temporary file in the folder, fsync, rename).
+    Saved slots count against the bound of the whole root (CORRAL_KV_DISK) like blocks, but are never evicted by
+    them: a save evicts the least recently used blocks to make room, and is refused (507) when even that is not
+    enough. Reading checks the magic, version, key, lengths and checksum before anything is restored."""
+
+    def __init__(self, store: KVStore) -> None:
+        self.store = store
+        self.key = store.key
+        self.dir = os.path.join(store.dir, SLOTS_DIR)
+
+    def path(self, name: str) -> str:
+        reason = check_slot_name(name)
+        if reason is not None:
+            raise SlotFileError(reason)
+        return os.path.join(self.dir, name)
+
+    def write(
+        self, name: str, tokens: Sequence[int], shifted_at: int | None, layout: int, n_stream: int, payload: bytes
+    ) -> int:
+        """Save a slot under ``name`` (replacing a file of that name); the bytes written."""
+        path = self.path(name)
+        token_bytes = struct.pack(f"<{len(tokens)}i", *tokens)
+        key = self.key.encode("ascii")
+        digest = hashlib.sha256(token_bytes + payload).digest()
+        shift = -1 if shifted_at is None else shifted_at
+        head = _SLOT_HEAD.pack(
+            SLOT_MAGIC, SLOT_VERSION, layout, n_stream, len(tokens), shift, len(payload), digest, len(key)
+        )
+        parts = (head, key, token_bytes, payload)
+        size = sum(len(p) for p in parts)
+        limit = self.store.limit_bytes
+        if size > limit:
+            raise SlotFileError(
+                f"the slot's state is {size} bytes, more than the prompt cache's whole bound of {limit} bytes "
+                "(CORRAL_KV_DISK): raise CORRAL_KV_DISK to save it",
+                507,
+            )
+        try:
+            lock = _RootLock(self.store.root)
+        except OSError as exc:
+            raise _disk_error(exc) from None
+        try:
+            self.store._write_meta()  # the key's meta.json: what `corral prune` reads to keep the folder
+            self._make_room(path, size)
+            try:
+                old = os.stat(path).st_size if os.path.isfile(path) else 0
+                _write_atomic(self.dir, path, parts)
+            except OSError as exc:
+                _Ledger(self.store.root).add(-size)
+                raise _disk_error(exc) from None
+            if old:
+                _Ledger(self.store.root).add(-old)
+        except OSError as exc:
+            raise _disk_error(exc) from None
+        finally:
+            lock.release()
+        return size
+
+    def _make_room(self, path: str, size: int) -> None:
+        """Reserve ``size`` bytes in the root's ledger (the root lock is held): the least recently used blocks of
+        every key are removed until the root's usage with the new file (less the file it replaces) is within the
+        bound. Saved slots are never removed to make room: SlotFileError 507 when blocks alone cannot free it."""
+        files, total = self.store._scan()
+        old = os.stat(path).st_size if os.path.isfile(path) else 0
+        limit = self.store.limit_bytes
+        if total - old + size - sum(vsize for _, _, vsize in files) > limit:  # not even with every block gone
+            _Ledger(self.store.root).write(total, time.time())
+            raise SlotFileError(
+                f"the slot's state ({size} bytes) does not fit the prompt cache's bound of {limit} bytes "
+                "(CORRAL_KV_DISK) beside the saved slots there: remove saved slots from the models' slots/ folders "
+                "under CORRAL_KV_DISK_DIR or raise CORRAL_KV_DISK",
+                507,
+            )
+        if total - old + size > limit:
+            target = int(limit * 0.9)
+            for _mtime, victim, vsize in sorted(files):
+                if total - old + size <= target:
+                    break
+                try:
+                    os.unlink(victim)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    continue
+                total -= vsize
+        if total - old + size > limit:  # a block that could not be removed
+            _Ledger(self.store.root).write(total, time.time())
+            raise SlotFileError(
+                f"the slot's state ({size} bytes) does not fit the prompt cache's bound of {limit} bytes "
+                "(CORRAL_KV_DISK): blocks under CORRAL_KV_DISK_DIR could not be removed to make room",
+                507,
+            )
+        _Ledger(self.store.root).write(total + size, time.time())
+
+    def read(self, name: str) -> SlotFile:
+        """The saved slot ``name``, checked whole; SlotFileError (404 missing, 400 not a file this model can
+        restore) says what is wrong."""
+        path = self.path(name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            raise SlotFileError(self._missing(name), 404) from None
+        except OSError as exc:
+            raise _disk_error(exc) from None
+        try:
+            return self._decode(fd, name)
+        except OSError as exc:
+            raise _disk_error(exc) from None
+        finally:
+            os.close(fd)
+
+    def _missing(self, name: str) -> str:
+        elsewhere = []
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self.store.root):
+                if entry.name != self.key and os.path.isfile(os.path.join(entry.path, SLOTS_DIR, name)):
+                    elsewhere.append(entry.name)
+        if elsewhere:
+            return (
+                f"no saved slot named {name!r} for this model: one of that name was saved by another model or "
+                "another llama.cpp build, whose KV state this model cannot use"
+            )
+        return f"no saved slot named {name!r} for this model: save one first (action=save)"
+
+    def _decode(self, fd: int, name: str) -> SlotFile:
+        size = os.fstat(fd).st_size
+
+        def read(n: int) -> bytes:
+            data = b""
+            while len(data) < n:
+                chunk = os.read(fd, min(n - len(data), 1 << 24))
+                if not chunk:
+                    raise SlotFileError(f"the saved slot {name!r} is truncated ({size} bytes); it cannot be restored")
+                data += chunk
+            return data
+
+        bad = f"the saved slot {name!r}"
+        if size < _SLOT_HEAD.size:
+            raise SlotFileError(f"{bad} is not a saved slot file (too short); it cannot be restored")
+        magic, version, layout, n_stream, n_tokens, shift, length, digest, key_len = _SLOT_HEAD.unpack(
+            read(_SLOT_HEAD.size)
+        )
+        if magic != SLOT_MAGIC:
+            raise SlotFileError(f"{bad} is not a saved slot file; it cannot be restored")
+        if version != SLOT_VERSION:
+            raise SlotFileError(f"{bad} was written by another version of corral (format {version}); save it again")
+        if layout not in (LAYOUT_BLOCK, LAYOUT_RAW) or key_len > 256 or length > MAX_SLOT_FILE:
+            raise SlotFileError(f"{bad} is damaged (its header is out of range); it cannot be restored")
+        key = read(key_len).decode("ascii", "replace")
+        if key != self.key:
+            raise SlotFileError(
+                f"{bad} was saved by another model or another llama.cpp build (its cache key differs from this "
+                "model's), so its KV state cannot be used here: restore it with the model that saved it"
+            )
+        if size != _SLOT_HEAD.size + key_len + 4 * n_tokens + length:
+            raise SlotFileError(f"{bad} is truncated or damaged ({size} bytes); it cannot be restored")
+        token_bytes = read(4 * n_tokens)
+        payload = read(length)
+        if hashlib.sha256(token_bytes + payload).digest() != digest:
+            raise SlotFileError(f"{bad} is damaged (checksum mismatch); it cannot be restored")
+        tokens = list(struct.unpack(f"<{n_tokens}i", token_bytes))
+        return SlotFile(tokens, None if shift < 0 else int(shift), layout, n_stream, payload, size)
+
+
+def pack_slot(state: bytes, n_tokens: int) -> tuple[int, bytes]:
+    """(layout, payload) of a slot's state for its file: one block of all its positions where kvblocks can cut
+    it (restored into any stream layout), else llama.cpp's state as it is."""
+    try:
+        return LAYOUT_BLOCK, split(state, 1, n_tokens)[0]
+    except ValueError:  # Unsplittable: another memory, or positions that are not 0..n-1
+        return LAYOUT_RAW, state
+
+
+def unpack_slot(saved: SlotFile, n_stream: int) -> bytes:
+    """The state for ``llama_state_seq_set_data`` of a context whose states start with ``n_stream`` (0: unknown)."""
+    if saved.layout == LAYOUT_BLOCK:
+        if n_stream <= 0:
+            raise SlotFileError("the saved slot's state cannot be put in this model's KV cache (another memory type)")
+        try:
+            return join([saved.payload], n_stream)
+        except ValueError as exc:
+            raise SlotFileError(f"the saved slot's state is damaged ({exc}); it cannot be restored") from None
+    if saved.n_stream and n_stream and saved.n_stream != n_stream:
+        raise SlotFileError(
+            f"the saved slot was saved with {saved.n_stream} KV streams and this runner has {n_stream} "
+            "(num_parallel differs): load the model as it was when the slot was saved"
+        )
+    return saved.payload
+
+
+def _disk_error(exc: OSError) -> SlotFileError:
+    if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        return SlotFileError(f"the disk is full: {exc.strerror}; the slot was not saved", 507)
+    return SlotFileError(f"the saved slot's file cannot be written or read: {exc.strerror or exc}", 500)

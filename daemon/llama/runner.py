@@ -46,6 +46,12 @@ from daemon.runners.protocol import (
     RerankReply,
     RunnerInfo,
     ShutdownOp,
+    SlotErasedReply,
+    SlotEraseOp,
+    SlotRestoredReply,
+    SlotRestoreOp,
+    SlotSavedReply,
+    SlotSaveOp,
     SlotsOp,
     SlotsReply,
     StageReply,
@@ -150,6 +156,8 @@ class Runner:
         self.projector_gpu = False
         self._embedded = False
         self.kv_disk = KVDiskInfo()  # the disk cache's state while it has none (off, or why)
+        self.slot_files: Any = None  # a kvdisk.SlotFiles: saved slots, under the prompt cache's directory
+        self.n_stream = 0  # the stream count of this context's sequence states (0: not a KV cache kvblocks reads)
         self._log_cb = llama_cpp.llama_log_callback(self._on_log)
         llama_cpp.llama_log_set(self._log_cb, ctypes.c_void_p(0))
 
@@ -269,10 +277,11 @@ class Runner:
     def _open_disk_cache(self, spec: LoadSpec) -> None:
         """Keep prompts' KV state on disk under ``spec.kv_disk_dir``, keyed by the daemon's part of the key
         (model, adapters, projector, KV type, flash attention, rope parameters), this llama.cpp build and how the
-        model was offloaded. A model whose state cannot be cut into blocks keeps none (one log line)."""
+        model was offloaded. A model whose state cannot be cut into blocks keeps none (one log line); its slots can
+        still be saved and restored whole (``slot_files``)."""
         import json
 
-        from daemon.llama.kvdisk import DiskCache, build_id, cache_key, log
+        from daemon.llama.kvdisk import DiskCache, SlotFiles, build_id, cache_key, log
         from daemon.runners.kvstore import KVStore
 
         lc, model = self.lc, self.model.model
@@ -289,35 +298,38 @@ class Runner:
                 n_stream = self.engine.call(self._n_stream)
             except Exception as exc:  # noqa: BLE001 - no disk cache, the model serves as before
                 reason = f"llama.cpp's state of this model cannot be cut into blocks ({exc})"
-        if reason:
+        self.n_stream = n_stream
+        store = None
+        if spec.kv_key:
+            try:
+                described = json.loads(spec.kv_key)
+            except ValueError:
+                described = {}
+            if not isinstance(described, dict):
+                described = {}
+            build = build_id(lc)
+            n_layer = int(lc.llama_model_n_layer(model))
+            offload = "all" if spec.num_gpu < 0 or spec.num_gpu >= n_layer else str(spec.num_gpu)
+            offload = offload if lc.llama_supports_gpu_offload() else "0"
+            runner_part = f"offload={offload} extra_bufts={spec.extra_bufts}"
+            key = cache_key(spec.kv_key, build, runner_part)
+            meta = {
+                "model": str(described.get("model", "")),
+                "adapters": json.dumps(described.get("adapters", [])),
+                "projector": str(described.get("projector", "")),
+                "build": "; ".join(build.splitlines()[:2]),
+            }
+            try:
+                store = KVStore(spec.kv_disk_dir, key, spec.kv_disk_bytes, meta)
+            except (ValueError, OSError) as exc:
+                reason = reason or str(exc)
+            else:
+                self.slot_files = SlotFiles(store)
+        if reason or store is None:
             log(f"off for this model: {reason}")
             self.kv_disk = KVDiskInfo(dir=spec.kv_disk_dir, limit_bytes=spec.kv_disk_bytes, reason=reason)
             return
-        try:
-            described = json.loads(spec.kv_key)
-        except ValueError:
-            described = {}
-        if not isinstance(described, dict):
-            described = {}
-        build = build_id(lc)
-        n_layer = int(lc.llama_model_n_layer(model))
-        offload = "all" if spec.num_gpu < 0 or spec.num_gpu >= n_layer else str(spec.num_gpu)
-        offload = offload if lc.llama_supports_gpu_offload() else "0"
-        runner_part = f"offload={offload} extra_bufts={spec.extra_bufts}"
-        key = cache_key(spec.kv_key, build, runner_part)
-        meta = {
-            "model": str(described.get("model", "")),
-            "adapters": json.dumps(described.get("adapters", [])),
-            "projector": str(described.get("projector", "")),
-            "build": "; ".join(build.splitlines()[:2]),
-        }
-        try:
-            store = KVStore(spec.kv_disk_dir, key, spec.kv_disk_bytes, meta)
-        except (ValueError, OSError) as exc:
-            log(f"off for this model: {exc}")
-            self.kv_disk = KVDiskInfo(dir=spec.kv_disk_dir, limit_bytes=spec.kv_disk_bytes, reason=str(exc))
-            return
-        disk = DiskCache(store, key=key, n_stream=n_stream, root=spec.kv_disk_dir, limit_bytes=spec.kv_disk_bytes)
+        disk = DiskCache(store, key=store.key, n_stream=n_stream, root=spec.kv_disk_dir, limit_bytes=spec.kv_disk_bytes)
         self.engine.attach_disk(disk)
 
     def _n_stream(self) -> int:
@@ -711,6 +723,76 @@ class Runner:
         slots = tuple(self.engine.slots_info()) if self.engine is not None else ()
         return SlotsReply(op.id, slots, self.kv_disk_info())
 
+    # -- saved slots (llama-server's /slots/{id}?action=save|restore|erase) -------------------------------------------
+    def _slot_files(self) -> Any:
+        if self.engine is None:
+            raise RequestError("this model has no sequence slots (an embedding model)")
+        if self.slot_files is None:
+            raise RequestError(
+                "saving and restoring slots needs the prompt cache on disk, which is off for this model "
+                f"({self.kv_disk.reason or 'CORRAL_KV_DISK=0'}): set CORRAL_KV_DISK to a size",
+                501,
+            )
+        return self.slot_files
+
+    def _slot_save(self, op: SlotSaveOp) -> Reply:
+        """The slot's state is copied out on the engine thread; cutting it and writing the file happen here."""
+        from daemon.llama.engine import EngineError
+        from daemon.llama.kvdisk import SlotFileError, check_slot_name, pack_slot
+
+        files = self._slot_files()
+        reason = check_slot_name(op.filename)
+        if reason is not None:
+            raise RequestError(reason)
+        started = time.perf_counter()
+        try:
+            tokens, shifted_at, state = self.engine.call(lambda: self.engine.slot_state(op.slot))
+        except EngineError as exc:
+            raise RequestError(str(exc), exc.status) from None
+        if not tokens:
+            raise RequestError(f"slot {op.slot} holds no tokens: there is nothing to save", 400)
+        layout, payload = pack_slot(state, len(tokens))
+        try:
+            written = files.write(op.filename, tokens, shifted_at, layout, self.n_stream, payload)
+        except SlotFileError as exc:
+            raise RequestError(str(exc), exc.status) from None
+        ms = (time.perf_counter() - started) * 1000
+        return SlotSavedReply(op.id, op.slot, op.filename, len(tokens), written, round(ms, 3))
+
+    def _slot_restore(self, op: SlotRestoreOp) -> Reply:
+        """The file is read and checked whole here, then put into the slot on the engine thread."""
+        from daemon.llama.engine import EngineError
+        from daemon.llama.kvdisk import SlotFileError, check_slot_name, unpack_slot
+
+        files = self._slot_files()
+        reason = check_slot_name(op.filename)
+        if reason is not None:
+            raise RequestError(reason)
+        started = time.perf_counter()
+        try:
+            self.engine.check_slot(op.slot)  # before the file is read
+            saved = files.read(op.filename)
+            state = unpack_slot(saved, self.n_stream)
+        except (SlotFileError, EngineError) as exc:
+            raise RequestError(str(exc), exc.status) from None
+        try:
+            self.engine.call(lambda: self.engine.restore_slot(op.slot, saved.tokens, saved.shifted_at, state))
+        except EngineError as exc:
+            raise RequestError(str(exc), exc.status) from None
+        ms = (time.perf_counter() - started) * 1000
+        return SlotRestoredReply(op.id, op.slot, op.filename, len(saved.tokens), saved.size, round(ms, 3))
+
+    def _slot_erase(self, op: SlotEraseOp) -> Reply:
+        from daemon.llama.engine import EngineError
+
+        if self.engine is None:
+            raise RequestError("this model has no sequence slots (an embedding model)")
+        try:
+            n = self.engine.call(lambda: self.engine.erase_slot(op.slot))
+        except EngineError as exc:
+            raise RequestError(str(exc), exc.status) from None
+        return SlotErasedReply(op.id, op.slot, int(n))
+
     def _tokenize(self, op: TokenizeOp) -> Reply:
         return TokensReply(op.id, tuple(self.tokenize(op.text, op.add_special)))
 
@@ -733,6 +815,9 @@ class Runner:
         DetokenizeOp: _detokenize,
         RerankOp: _rerank,
         PiecesOp: _pieces,
+        SlotSaveOp: _slot_save,
+        SlotRestoreOp: _slot_restore,
+        SlotEraseOp: _slot_erase,
     }
 
     def handle(self, op: Op) -> None:

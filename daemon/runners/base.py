@@ -25,9 +25,10 @@ from daemon.runners.protocol import (
     SlotInfo,
     Token,
     Truncated,
+    check_slot_name,
     option_default,
 )
-from errors import CorralError
+from errors import CorralError, InvalidRequest, NotFound, NotSupported, StoreError
 
 # the values that cross the pipe live in the protocol module, which both sides import; the daemon's code takes them
 # from here, with the Runner protocol they belong to
@@ -48,9 +49,16 @@ __all__ = [
     "RunnerError",
     "RunnerInfo",
     "SampleParams",
+    "SlotBusy",
     "SlotInfo",
+    "SlotNoRoom",
+    "SlotNotFound",
+    "SlotRefused",
+    "SlotResult",
+    "SlotsUnavailable",
     "Token",
     "Truncated",
+    "check_slot_name",
     "option_default",
     "parse_logit_bias",
 ]
@@ -79,6 +87,57 @@ class RunnerCrashed(RunnerError):
         super().__init__(message)
         self.signal = signal
         self.early = early
+
+
+class SlotRefused(InvalidRequest):
+    """A slot action the runner refused as the request's fault: a bad filename or slot id, an empty slot to save,
+    or a saved file this model cannot restore (damaged, another model's or llama.cpp build's, too long)."""
+
+
+class SlotNotFound(NotFound):
+    """No saved slot of that name for this model."""
+
+
+class SlotBusy(CorralError):
+    """The slot is serving a request (save, restore and erase wait for nothing: the client tries again)."""
+
+    status = 409
+
+
+class SlotNoRoom(StoreError):
+    """A saved slot does not fit the prompt cache's bound (CORRAL_KV_DISK) even with every block evicted, or the
+    disk is full."""
+
+    status = 507
+
+
+class SlotsUnavailable(NotSupported):
+    """Saving slots needs the prompt cache on disk, which is off (CORRAL_KV_DISK=0) or cannot be kept for this
+    model; llama-server answers 501 when it has no --slot-save-path."""
+
+    status = 501
+
+
+#: the error a slot action's ``ErrorReply`` becomes, by the status the runner gave it
+SLOT_ERRORS: dict[int, type[CorralError]] = {
+    400: SlotRefused,
+    404: SlotNotFound,
+    409: SlotBusy,
+    501: SlotsUnavailable,
+    507: SlotNoRoom,
+}
+
+
+@dataclass(frozen=True)
+class SlotResult:
+    """What a slot action did (llama-server's answer): ``tokens`` saved, restored or erased, ``bytes`` of the file
+    written or read, and how long it took."""
+
+    slot: int
+    tokens: int
+    filename: str = ""
+    bytes: int = 0
+    ms: float = 0.0
 
 
 def parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -164,6 +223,18 @@ class Runner(Protocol):
 
     async def slots(self) -> list[SlotInfo]:
         """The runner's sequence slots (none for an embedding runner)."""
+
+    async def save_slot(self, slot: int, filename: str) -> SlotResult:
+        """Write what ``slot`` holds to this model's saved slot ``filename`` (a plain name). Raises SlotRefused,
+        SlotBusy, SlotNoRoom or SlotsUnavailable."""
+
+    async def restore_slot(self, slot: int, filename: str) -> SlotResult:
+        """Load this model's saved slot ``filename`` into ``slot``, which then serves a prompt that starts with its
+        tokens as if it had evaluated them. Raises SlotNotFound, SlotRefused, SlotBusy or SlotsUnavailable; the
+        slot is unchanged when it raises."""
+
+    async def erase_slot(self, slot: int) -> SlotResult:
+        """Empty ``slot``'s KV cache. Raises SlotRefused or SlotBusy."""
 
     @property
     def kv_disk(self) -> KVDiskInfo | None:

@@ -27,6 +27,7 @@ from typing import TypeVar
 
 from daemon.exits import describe_exit, exit_signal
 from daemon.runners.base import (
+    SLOT_ERRORS,
     Embedding,
     Event,
     GenerateRequest,
@@ -39,6 +40,8 @@ from daemon.runners.base import (
     RunnerError,
     RunnerInfo,
     SlotInfo,
+    SlotRefused,
+    SlotResult,
 )
 from daemon.runners.protocol import (
     HEADER,
@@ -63,6 +66,12 @@ from daemon.runners.protocol import (
     RerankOp,
     RerankReply,
     ShutdownOp,
+    SlotErasedReply,
+    SlotEraseOp,
+    SlotRestoredReply,
+    SlotRestoreOp,
+    SlotSavedReply,
+    SlotSaveOp,
     SlotsOp,
     SlotsReply,
     StageReply,
@@ -390,6 +399,32 @@ class ProcessRunner:
         reply = await self._call(SlotsOp, SlotsReply)
         self._kv_disk = reply.kv_disk
         return list(reply.slots)
+
+    async def save_slot(self, slot: int, filename: str) -> SlotResult:
+        """Write what ``slot`` holds to the saved slot ``filename`` (the runner writes the file: its state never
+        crosses the pipe)."""
+        msg = await self._slot_call(lambda rid: SlotSaveOp(rid, slot, filename), SlotSavedReply)
+        return SlotResult(msg.slot, msg.n_saved, msg.filename, msg.n_written, msg.save_ms)
+
+    async def restore_slot(self, slot: int, filename: str) -> SlotResult:
+        msg = await self._slot_call(lambda rid: SlotRestoreOp(rid, slot, filename), SlotRestoredReply)
+        return SlotResult(msg.slot, msg.n_restored, msg.filename, msg.n_read, msg.restore_ms)
+
+    async def erase_slot(self, slot: int) -> SlotResult:
+        msg = await self._slot_call(lambda rid: SlotEraseOp(rid, slot), SlotErasedReply)
+        return SlotResult(msg.slot, msg.n_erased)
+
+    async def _slot_call(self, op: Callable[[int], Call], answer: type[_R]) -> _R:
+        """A slot action: the runner's refusals become the slot errors their status names (``SLOT_ERRORS``)."""
+        try:
+            return await self._call(op, answer)
+        except RunnerError as exc:
+            kind = SLOT_ERRORS.get(exc.status or 500)
+            if kind is None or kind is SlotRefused:
+                raise
+            raise kind(str(exc)) from None
+        except RunnerRequestError as exc:
+            raise SlotRefused(str(exc)) from None
 
     async def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
         return list((await self._call(lambda rid: TokenizeOp(rid, text, add_special), TokensReply)).tokens)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +42,25 @@ QUANT_TYPES: dict[str, int] = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K_S": 14, "Q4_
 
 MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
 BIAS_LIMIT = 100.0  # biases lie in [-100, 100], as OpenAI's; -100 bans the token outright
+
+
+SLOT_NAME_MAX = 128  # characters of a saved slot's filename
+_SLOT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+SLOT_NAME_RULE = (
+    f"a saved slot's filename is a plain name of 1 to {SLOT_NAME_MAX} letters, digits, '_', '-' and '.', not starting "
+    "with '.' (no folders: the file goes to this model's saved slots under CORRAL_KV_DISK_DIR)"
+)
+
+
+def check_slot_name(name: object) -> str | None:
+    """Why ``name`` cannot name a saved slot (``SlotSaveOp``, ``SlotRestoreOp``), None when it can: only a plain
+    name, so a request never names a path. Checked by the daemon before the op is sent and by the runner again."""
+    if not isinstance(name, str) or not name:
+        return f"filename is missing: {SLOT_NAME_RULE}"
+    if not _SLOT_NAME.fullmatch(name):
+        shown = name if len(name) <= 60 else name[:60] + "..."
+        return f"filename {shown!r} is not allowed: {SLOT_NAME_RULE}"
+    return None
 
 
 class ProtocolError(ValueError):
@@ -294,6 +314,45 @@ class PiecesOp:
 
 
 @dataclass(frozen=True)
+class SlotSaveOp:
+    """Write what slot ``slot`` holds (its token ids and llama.cpp's state of its sequence) to the saved-slot file
+    ``filename`` of this model (llama-server's ``/slots/{id}?action=save``): ``SlotSavedReply``. The file lies in
+    the ``slots/`` folder of the model's cache key under the prompt cache's directory; ``filename`` is a plain name
+    that the runner checks again (``check_slot_name``). Refused with an ``ErrorReply``: 400 a bad name or
+    slot id, 409 the slot is serving a request, 501 this runner keeps no prompt cache on disk, 507 the file does not
+    fit ``CORRAL_KV_DISK``."""
+
+    op: ClassVar[str] = "slot_save"
+    id: int
+    slot: int
+    filename: str
+
+
+@dataclass(frozen=True)
+class SlotRestoreOp:
+    """Load the saved-slot file ``filename`` into slot ``slot`` (``/slots/{id}?action=restore``):
+    ``SlotRestoredReply``; the slot then holds its tokens, and a request whose prompt starts with them reuses them.
+    Refused with an ``ErrorReply``, the slot unchanged: 400 a bad name or slot id, a damaged file, one saved by
+    another model or llama.cpp build, or one longer than a slot's context; 404 no such file; 409 the slot is
+    serving a request; 501 no prompt cache on disk."""
+
+    op: ClassVar[str] = "slot_restore"
+    id: int
+    slot: int
+    filename: str
+
+
+@dataclass(frozen=True)
+class SlotEraseOp:
+    """Empty slot ``slot``'s KV cache (``/slots/{id}?action=erase``): ``SlotErasedReply``. 400 a bad slot id, 409 the
+    slot is serving a request."""
+
+    op: ClassVar[str] = "slot_erase"
+    id: int
+    slot: int
+
+
+@dataclass(frozen=True)
 class ShutdownOp:
     """End the runner now (read by the reader thread). EOF on its stdin does the same."""
 
@@ -301,10 +360,13 @@ class ShutdownOp:
 
 
 Op: TypeAlias = (
-    "LoadOp | GenerateOp | CancelOp | EmbedOp | SlotsOp | TokenizeOp | DetokenizeOp | RerankOp | PiecesOp | ShutdownOp"
+    "LoadOp | GenerateOp | CancelOp | EmbedOp | SlotsOp | TokenizeOp | DetokenizeOp | RerankOp | PiecesOp"
+    " | SlotSaveOp | SlotRestoreOp | SlotEraseOp | ShutdownOp"
 )
 #: An op that asks for one reply: the ``ErrorReply`` or the reply named here.
-Call: TypeAlias = "EmbedOp | SlotsOp | TokenizeOp | DetokenizeOp | RerankOp | PiecesOp"
+Call: TypeAlias = (
+    "EmbedOp | SlotsOp | TokenizeOp | DetokenizeOp | RerankOp | PiecesOp | SlotSaveOp | SlotRestoreOp | SlotEraseOp"
+)
 
 
 # -- replies: runner -> daemon -------------------------------------------------------------------------------------
@@ -417,6 +479,42 @@ class PiecesReply:
 
 
 @dataclass(frozen=True)
+class SlotSavedReply:
+    """The answer to ``SlotSaveOp``: the tokens saved, the bytes of the file written and how long it took."""
+
+    type: ClassVar[str] = "slot_saved"
+    id: int
+    slot: int
+    filename: str
+    n_saved: int
+    n_written: int
+    save_ms: float
+
+
+@dataclass(frozen=True)
+class SlotRestoredReply:
+    """The answer to ``SlotRestoreOp``: the tokens the slot holds now, the bytes of the file read, how long it took."""
+
+    type: ClassVar[str] = "slot_restored"
+    id: int
+    slot: int
+    filename: str
+    n_restored: int
+    n_read: int
+    restore_ms: float
+
+
+@dataclass(frozen=True)
+class SlotErasedReply:
+    """The answer to ``SlotEraseOp``: the tokens the slot held."""
+
+    type: ClassVar[str] = "slot_erased"
+    id: int
+    slot: int
+    n_erased: int
+
+
+@dataclass(frozen=True)
 class BatchReply:
     """Several replies in one frame: what an engine step produced for all its sequences (one JSON encoding, one
     write, one wake-up of the daemon per step)."""
@@ -427,7 +525,8 @@ class BatchReply:
 
 Reply: TypeAlias = (
     "StageReply | LoadedReply | LoadErrorReply | TokenReply | DoneReply | TruncatedReply | ErrorReply | EmbedReply"
-    " | SlotsReply | TokensReply | TextReply | RerankReply | PiecesReply | BatchReply"
+    " | SlotsReply | TokensReply | TextReply | RerankReply | PiecesReply | SlotSavedReply | SlotRestoredReply"
+    " | SlotErasedReply | BatchReply"
 )
 Message: TypeAlias = "Op | Reply"
 
@@ -441,6 +540,9 @@ OPS: tuple[type[Op], ...] = (
     DetokenizeOp,
     RerankOp,
     PiecesOp,
+    SlotSaveOp,
+    SlotRestoreOp,
+    SlotEraseOp,
     ShutdownOp,
 )
 REPLIES: tuple[type[Reply], ...] = (
@@ -457,6 +559,9 @@ REPLIES: tuple[type[Reply], ...] = (
     TextReply,
     RerankReply,
     PiecesReply,
+    SlotSavedReply,
+    SlotRestoredReply,
+    SlotErasedReply,
     BatchReply,
 )
 #: the reply each call op is answered with (or an ErrorReply)
@@ -467,6 +572,9 @@ ANSWERS: dict[type[Call], type[Reply]] = {
     DetokenizeOp: TextReply,
     RerankOp: RerankReply,
     PiecesOp: PiecesReply,
+    SlotSaveOp: SlotSavedReply,
+    SlotRestoreOp: SlotRestoredReply,
+    SlotEraseOp: SlotErasedReply,
 }
 
 

@@ -43,6 +43,9 @@ EXAMPLES: list[p.Message] = [
     p.DetokenizeOp(5, (1, 2)),
     p.RerankOp(6, "q", ("d1", "d2")),
     p.PiecesOp(7, (1, 2)),
+    p.SlotSaveOp(8, 1, "chat-42.bin"),
+    p.SlotRestoreOp(9, 0, "chat-42.bin"),
+    p.SlotEraseOp(10, 3),
     p.ShutdownOp(),
     p.StageReply("warm-up"),
     p.LoadedReply(INFO),
@@ -58,6 +61,9 @@ EXAMPLES: list[p.Message] = [
     p.TextReply(5, "ab"),
     p.RerankReply(6, (0.5, -2.0), 17),
     p.PiecesReply(7, ("a", [0xE2, 0x82])),
+    p.SlotSavedReply(8, 1, "chat-42.bin", 120, 2_400_512, 12.5),
+    p.SlotRestoredReply(9, 0, "chat-42.bin", 120, 2_400_512, 8.25),
+    p.SlotErasedReply(10, 3, 77),
     p.BatchReply((p.TokenReply(1, p.Token("a")), p.DoneReply(2, DONE))),
 ]
 
