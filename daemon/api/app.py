@@ -21,6 +21,7 @@ from daemon.api.routes import openai as openai_routes
 from daemon.api.routes import registry as registry_routes
 from daemon.api.routes import rerank as rerank_routes
 from daemon.api.routes import responses as responses_routes
+from daemon.api.routes import slots as slots_routes
 from daemon.api.routes import transfer as transfer_routes
 from daemon.api.security import DoorGuard
 from daemon.generation.inference import Inference
@@ -196,6 +197,7 @@ def create_app(
     app.include_router(anthropic_routes.router)
     app.include_router(transfer_routes.router)
     app.include_router(rerank_routes.router)
+    app.include_router(slots_routes.router)
     metrics = Metrics(scheduler)
     app.state.metrics = metrics
 
