@@ -354,7 +354,7 @@ class Engine:
             raise EngineError(f"llama.cpp gave no state for slot {slot_id}", 500)
         return list(slot.tokens), slot.shifted_at, buffer[:size].tobytes()
 
-    def restore_slot(self, slot_id: int, tokens: list[int], shifted_at: int | None, state: bytes) -> None:
+    def restore_slot(self, slot_id: int, tokens: list[int], shifted_at: int | None, state: bytes | bytearray) -> None:
         """Put a saved slot's state into idle slot ``slot_id`` (engine thread: through :meth:`call`): it holds
         ``tokens`` afterwards, so the next request whose prompt starts with them takes this slot and evaluates only
         the rest, as if the slot had evaluated them itself. Refused with EngineError, the slot unchanged: 400 a slot

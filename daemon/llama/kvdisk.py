@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from daemon.llama.kvblocks import Unsplittable, join, split
-from daemon.runners.kvstore import BLOCK_TOKENS, KVStore, _Ledger, _RootLock, _write_atomic, chain_hashes
+from daemon.runners.kvstore import BLOCK_TOKENS, SLOTS, KVStore, _Ledger, _RootLock, _write_atomic, chain_hashes
 from daemon.runners.protocol import KVDiskInfo, check_slot_name
 
 # Snapshots waiting for the writer may hold this many bytes (a larger one is taken only when none waits): a disk
@@ -99,14 +99,14 @@ class Lookup:
         self.prompt = prompt
         self.n_blocks = n_blocks
         self.tokens = 0
-        self.blob: bytes | None = None
+        self.blob: bytes | bytearray | None = None  # kvblocks.join's
         self.started = time.monotonic()
         self._done = threading.Event()
 
     def ready(self) -> bool:
         return self._done.is_set() or time.monotonic() - self.started > LOOKUP_WAIT
 
-    def result(self) -> tuple[int, bytes | None]:
+    def result(self) -> tuple[int, bytes | bytearray | None]:
         """(tokens, blob): nothing until the read finished."""
         if not self._done.is_set():
             return 0, None
@@ -338,7 +338,7 @@ class DiskCache:
 
 
 # -- saved slots (llama-server's /slots/{id}?action=save|restore) ------------------------------------------------------
-SLOTS_DIR = "slots"  # <root>/<key>/slots/<filename>: beside the key's blocks, so `corral prune` keeps them with it
+SLOTS_DIR = SLOTS  # <root>/<key>/slots/<filename>: beside the key's blocks, so `corral prune` keeps them with it
 SLOT_MAGIC = b"CSLT"
 SLOT_VERSION = 1
 LAYOUT_BLOCK = 1  # the payload is one kvblocks block of every position: restored into any stream layout (join)
@@ -547,7 +547,7 @@ def pack_slot(state: bytes, n_tokens: int) -> tuple[int, bytes]:
         return LAYOUT_RAW, state
 
 
-def unpack_slot(saved: SlotFile, n_stream: int) -> bytes:
+def unpack_slot(saved: SlotFile, n_stream: int) -> bytes | bytearray:
     """The state for ``llama_state_seq_set_data`` of a context whose states start with ``n_stream`` (0: unknown)."""
     if saved.layout == LAYOUT_BLOCK:
         if n_stream <= 0:

@@ -51,13 +51,25 @@ import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["BLOCK_TOKENS", "KVStats", "KVStore", "chain_hashes", "prune", "usage"]
+__all__ = [
+    "BLOCK_TOKENS",
+    "SLOTS",
+    "KVStats",
+    "KVStore",
+    "SavedSlot",
+    "chain_hashes",
+    "prune",
+    "remove_saved_slot",
+    "saved_slots",
+    "usage",
+]
 
 BLOCK_TOKENS = 256
 MAGIC = b"CKV1"
 VERSION = 1
 SUFFIX = ".kvb"
 META = "meta.json"
+SLOTS = "slots"  # <root>/<key>/slots/<name>: saved slots (daemon/llama/kvdisk.py SlotFiles), pruned with their key
 LOCK = ".lock"  # <root>/.lock: writers' cross-process lock
 LEDGER = ".usage"  # <root>/.usage: the root's usage in bytes (see _Ledger)
 # magic, version, block index, token count, payload length, sha256 of the payload, lengths of key, hash and parent
@@ -248,6 +260,79 @@ def prune(root: str | os.PathLike[str], keep: Collection[str]) -> int:
         size = usage(entry.path)
         shutil.rmtree(entry.path, ignore_errors=True)
         freed += size - usage(entry.path)
+    return freed
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedSlot:
+    """A saved slot file (``/slots/{id}?action=save``) of a model: its name, bytes, when it was written, and the
+    cache key it was saved under (one per llama.cpp build, KV cache type, offload)."""
+
+    name: str
+    bytes: int
+    modified: float
+    key: str
+
+
+def _slot_dirs(root: str | os.PathLike[str], model: Mapping[str, str]) -> Iterator[tuple[str, str]]:
+    """(key, its slots folder) of every key directory whose meta.json names ``model`` (its "model", "adapters" and
+    "projector" entries, as the runner writes them)."""
+    try:
+        entries = list(os.scandir(os.fspath(root)))
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.is_dir(follow_symlinks=False) or not _KEY.fullmatch(entry.name):
+            continue
+        try:
+            meta = json.loads(Path(entry.path, META).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict) and all(meta.get(k) == v for k, v in model.items()):
+            yield entry.name, os.path.join(entry.path, SLOTS)
+
+
+def saved_slots(root: str | os.PathLike[str], model: Mapping[str, str]) -> list[SavedSlot]:
+    """The saved slots of ``model`` under ``root`` (see :func:`_slot_dirs`), newest first."""
+    out = []
+    for key, folder in _slot_dirs(root, model):
+        try:
+            files = list(os.scandir(folder))
+        except OSError:
+            continue
+        for f in files:
+            if f.name.startswith(".") or not f.is_file(follow_symlinks=False):
+                continue  # a writer's temporary file
+            try:
+                st = f.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            out.append(SavedSlot(f.name, st.st_size, st.st_mtime, key))
+    return sorted(out, key=lambda s: (-s.modified, s.name))
+
+
+def remove_saved_slot(root: str | os.PathLike[str], model: Mapping[str, str], name: str) -> int:
+    """Remove the saved slot ``name`` (a plain name, checked by the caller) of ``model`` under every key it was
+    saved under; the bytes freed (0: there was none). The ledger is corrected under the writers' lock."""
+    if not name or name.startswith(".") or os.sep in name or (os.altsep and os.altsep in name):
+        raise ValueError(f"not a saved slot's name: {name!r}")
+    if not os.path.isdir(os.fspath(root)):
+        return 0
+    freed = 0
+    lock = _RootLock(os.fspath(root))
+    try:
+        for _key, folder in _slot_dirs(root, model):
+            path = os.path.join(folder, name)
+            try:
+                st = os.stat(path, follow_symlinks=False)
+                os.unlink(path)
+            except OSError:
+                continue
+            freed += st.st_size
+        if freed:
+            _Ledger(os.fspath(root)).add(-freed)
+    finally:
+        lock.release()
     return freed
 
 

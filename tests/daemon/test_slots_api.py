@@ -129,6 +129,21 @@ def test_saved_slot_restored_after_erase_unload_and_restart_gives_the_cold_answe
         ok(action(d, 1, "restore", {"filename": "conv-1.bin"}, model="tiny"))
         again, _, cached = chat(d)
         assert again == cold and cached == n_prompt - 1, (again, cold, cached)
+
+        # the model's saved slots, listed and removed (they count against CORRAL_KV_DISK and nothing evicts them)
+        listed = ok(httpx.get(d.url + "/slots/saved", params={"model": "tiny"}, timeout=30))
+        assert listed["model"] == "tiny:latest"
+        assert [(f["filename"], f["bytes"]) for f in listed["saved"]] == [("conv-1.bin", saved["n_written"])]
+        assert listed["saved"][0]["modified_at"].endswith("Z")
+        assert ok(httpx.get(d.url + "/slots/saved", timeout=30))["saved"] == listed["saved"]  # one model loaded
+        refused(httpx.delete(d.url + "/slots/saved/.hidden", params={"model": "tiny"}, timeout=30), 400, "not allowed")
+        gone = ok(httpx.delete(d.url + "/slots/saved/conv-1.bin", params={"model": "tiny"}, timeout=30))
+        assert gone == {"model": "tiny:latest", "filename": "conv-1.bin", "bytes_freed": saved["n_written"]}
+        assert not path.exists() and path.parent.is_dir()
+        again = httpx.delete(d.url + "/slots/saved/conv-1.bin", params={"model": "tiny"}, timeout=30)
+        refused(again, 404, "no saved slot named 'conv-1.bin' for model 'tiny:latest'")
+        refused(action(d, 0, "restore", {"filename": "conv-1.bin"}), 404, "save one first")
+        assert ok(httpx.get(d.url + "/slots/saved", params={"model": "tiny"}, timeout=30))["saved"] == []
     finally:
         stop_daemon(d)
 

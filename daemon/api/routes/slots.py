@@ -13,6 +13,8 @@ llama-server uses (``{"error": {"message", "type", ...}}``), with the status of 
 
 from __future__ import annotations
 
+import json
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -23,8 +25,10 @@ from daemon.api.compat import BadParam, openai_error, shaped
 from daemon.api.state import inference
 from daemon.generation.inference import Inference, ModelContext, keep_alive_value
 from daemon.logs import note
-from daemon.runners.base import LoadSpec, SlotResult, check_slot_name
+from daemon.runners import kvstore
+from daemon.runners.base import LoadSpec, SlotNotFound, SlotResult, SlotsUnavailable, check_slot_name
 from daemon.scheduling.scheduler import Entry, Lease
+from daemon.settings import Settings
 from errors import InvalidRequest
 
 router = APIRouter()
@@ -160,6 +164,68 @@ async def slot_action(request: Request, id_slot: str) -> Response:
     finally:
         lease.release()
     return JSONResponse(_answer(ctx, done, action))
+
+
+# -- the saved files (corral's: llama-server leaves them to the file system) ----------------------------------------
+def _saved_of(request: Request, ctx: ModelContext) -> tuple[str, dict[str, str]]:
+    """The prompt cache's directory, and what the meta.json of each of ``ctx``'s cache keys says of the model (its
+    model, adapter and projector digests, as the runner writes them)."""
+    settings: Settings = request.app.state.settings
+    if settings.kv_disk_dir is None or settings.kv_disk <= 0:
+        raise SlotsUnavailable(
+            "saved slots live in the prompt cache on disk, which is off (CORRAL_KV_DISK=0): set CORRAL_KV_DISK"
+        )
+    key = json.loads(inference(request).kv_key_for(ctx, "f16", "auto"))
+    return str(settings.kv_disk_dir), {
+        "model": key["model"],
+        "adapters": json.dumps(key["adapters"]),
+        "projector": key["projector"],
+    }
+
+
+@router.get("/slots/saved")
+@shaped(openai_error)
+async def list_saved(request: Request) -> Response:
+    """The saved slots of a model (``?model=``; optional when exactly one model is loaded): filename, bytes and when
+    each was written, newest first. A model's files saved under another llama.cpp build or KV cache type are listed
+    too (its restore refuses them, and a delete removes them)."""
+    from starlette.concurrency import run_in_threadpool
+
+    ctx = await _model(request, _model_name(request, {}))
+    root, model = _saved_of(request, ctx)
+    found = await run_in_threadpool(kvstore.saved_slots, root, model)
+    return JSONResponse(
+        {
+            "model": ctx.name.short(),
+            "saved": [
+                {
+                    "filename": f.name,
+                    "bytes": f.bytes,
+                    "modified_at": datetime.fromtimestamp(f.modified, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                }
+                for f in found
+            ],
+        }
+    )
+
+
+@router.delete("/slots/saved/{filename}")
+@shaped(openai_error)
+async def delete_saved(request: Request, filename: str) -> Response:
+    """Remove a model's saved slot ``filename`` (``?model=``; optional when exactly one model is loaded): saved
+    slots count against CORRAL_KV_DISK and nothing evicts them, so an app that saves sessions removes the ones it
+    is done with here. 404 when the model has none of that name."""
+    from starlette.concurrency import run_in_threadpool
+
+    reason = check_slot_name(filename)
+    if reason is not None:
+        raise BadParam("filename", reason)
+    ctx = await _model(request, _model_name(request, {}))
+    root, model = _saved_of(request, ctx)
+    freed = await run_in_threadpool(kvstore.remove_saved_slot, root, model, filename)
+    if not freed:
+        raise SlotNotFound(f"no saved slot named {filename!r} for model {ctx.name.short()!r}")
+    return JSONResponse({"model": ctx.name.short(), "filename": filename, "bytes_freed": freed})
 
 
 def _answer(ctx: ModelContext, done: SlotResult, action: str) -> dict[str, Any]:
