@@ -309,7 +309,7 @@ class Runner:
                 described = {}
             build = build_id(lc)
             n_layer = int(lc.llama_model_n_layer(model))
-            offload = "all" if spec.num_gpu < 0 or spec.num_gpu >= n_layer else str(spec.num_gpu)
+            offload = "all" if spec.num_gpu < 0 or spec.num_gpu > n_layer else str(spec.num_gpu)
             offload = offload if lc.llama_supports_gpu_offload() else "0"
             runner_part = f"offload={offload} extra_bufts={spec.extra_bufts}"
             key = cache_key(spec.kv_key, build, runner_part)
@@ -361,11 +361,12 @@ class Runner:
             engine.flush_disk(timeout)
 
     def _fully_offloaded(self) -> bool:
-        """Every layer on a GPU: llama.cpp's CPU threads then wait on the device instead of computing."""
+        """Every layer on a GPU: llama.cpp's CPU threads then wait on the device instead of computing. llama.cpp
+        counts the output layer in ``n_gpu_layers``: all of them is ``n_layer + 1``."""
         lc = self.lc
         n_layer = int(lc.llama_model_n_layer(self.model.model))
         num_gpu = self.spec.num_gpu
-        return bool(lc.llama_supports_gpu_offload()) and (num_gpu < 0 or num_gpu >= n_layer)
+        return bool(lc.llama_supports_gpu_offload()) and (num_gpu < 0 or num_gpu > n_layer)
 
     def _load_projector(self, path: str, threads: int, flash: int) -> None:
         """Load the vision projector for the loaded model. On the GPU only when the whole model is offloaded (as

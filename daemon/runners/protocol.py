@@ -83,7 +83,7 @@ class LoadSpec:
     adapters: tuple[str, ...] = ()
     num_ctx: int = 4096  # per sequence slot
     num_batch: int = 512
-    num_gpu: int = 0  # layers offloaded to the GPU (-1 = all)
+    num_gpu: int = 0  # llama.cpp n_gpu_layers: the output layer counts as one (n_layer + 1 or -1 = all)
     num_thread: int = 0  # 0 = physical cores
     use_mmap: bool | None = None
     num_parallel: int = 1

@@ -26,10 +26,10 @@ _LAYER = re.compile(r"^blk\.(\d+)\.")
 class Estimate:
     weights_per_layer: tuple[int, ...]
     weights_other: int
-    output_weights: int  # the output projection (on the GPU only when every layer is)
+    output_weights: int  # the output projection (the first layer llama.cpp offloads)
     kv_per_layer: int
     compute_buffer: int
-    n_gpu_layers: int
+    n_gpu_layers: int  # llama.cpp's count: the output layer is one, n_layer + 1 = all
     ram: int
     vram: int
 
@@ -119,18 +119,24 @@ def _buffers(info: GGUFInfo, *, num_ctx: int, num_parallel: int, num_batch: int,
 
 
 def _split(layers: Layers, kv_layer: int, compute: int, gpu: int, projector: int = 0) -> tuple[int, int]:
-    """(ram, vram) with the last ``gpu`` layers offloaded (llama.cpp offloads the last layers first); ``projector``
-    (bytes, :func:`projector_memory`) goes with the output layer: on the GPU only when the whole model is."""
+    """(ram, vram) for llama.cpp's ``n_gpu_layers = gpu``, which counts the output layer as one more layer and
+    offloads it first: ``gpu`` >= 1 puts the output projection on the GPU with the last ``gpu - 1`` repeating
+    layers, and only ``n_layer + 1`` puts every layer there (``n_layer`` leaves layer 0 on the CPU, which on a GPU
+    costs a CPU pass per token and per row). ``projector`` (bytes, :func:`projector_memory`) is on the GPU only when
+    the whole model is. The compute buffer is counted whole on each side that computes."""
     n_layer = layers.n_layer
-    cpu = n_layer - gpu
-    vram = layers.prefix[n_layer] - layers.prefix[cpu] + gpu * kv_layer
+    gpu = max(0, min(gpu, n_layer + 1))
+    repeating = max(0, gpu - 1)
+    cpu = n_layer - repeating
+    vram = layers.prefix[n_layer] - layers.prefix[cpu] + repeating * kv_layer
     ram = layers.prefix[cpu] + cpu * kv_layer + layers.other
-    if gpu == n_layer and gpu > 0:
+    if gpu > n_layer:
         vram += layers.output + compute + projector
+    elif gpu > 0:
+        vram += layers.output + compute
+        ram += compute + projector
     else:
         ram += layers.output + compute + projector
-        if gpu > 0:
-            vram += compute // 4  # a smaller GPU compute buffer for the offloaded part
     return ram, vram
 
 
@@ -194,7 +200,7 @@ def estimate(
     layers = layers_of(info)
     n_layer = layers.n_layer
     kv_layer, compute = _buffers(info, num_ctx=num_ctx, num_parallel=num_parallel, num_batch=num_batch, kv_type=kv_type)
-    gpu = n_layer if n_gpu_layers < 0 else max(0, min(n_gpu_layers, n_layer))
+    gpu = n_layer + 1 if n_gpu_layers < 0 else max(0, min(n_gpu_layers, n_layer + 1))
     ram, vram = _split(layers, kv_layer, compute, gpu, projector)
     return Estimate(
         weights_per_layer=layers.per_layer,
@@ -227,11 +233,11 @@ def choose_gpu_layers(
     layers = layers_of(info)
     n_layer = layers.n_layer
     if requested is not None and requested >= 0:
-        return min(requested, n_layer)
+        return min(requested, n_layer + 1)
     if vram_budget <= 0:
         return 0
     kv_layer, compute = _buffers(info, num_ctx=num_ctx, num_parallel=num_parallel, num_batch=num_batch, kv_type=kv_type)
-    lo, hi = 0, n_layer  # vram(0) == 0 fits; find the largest count that fits
+    lo, hi = 0, n_layer + 1  # vram(0) == 0 fits; find the largest count that fits
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if _split(layers, kv_layer, compute, mid, projector)[1] <= vram_budget:

@@ -152,14 +152,14 @@ def test_estimate_costs_the_tensors_not_the_declared_block_count() -> None:
     finally:
         tracemalloc.stop()
     assert taken.lines < 20_000 and peak < 8 * MB, (taken.lines, peak)  # ~1,400 lines and a few KiB today
-    assert est.ram > 0 and 0 <= layers <= 512
+    assert est.ram > 0 and 0 <= layers <= 513
 
 
 def _brute_force_layers(info: Any, budget: int, **kw: Any) -> int:
     """The old search: an estimate for every layer count from the top."""
     from daemon.scheduling.memory import estimate
 
-    for n in range(info.block_count, -1, -1):
+    for n in range(info.block_count + 1, -1, -1):  # llama.cpp's count: the output layer is one more
         if estimate(info, n_gpu_layers=n, **kw).vram <= budget:
             return n
     return 0

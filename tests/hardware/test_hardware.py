@@ -39,10 +39,26 @@ def test_budgets() -> None:
 def test_choose_gpu_layers(tiny_gguf: Path) -> None:
     info = read_gguf_file(tiny_gguf)
     assert choose_gpu_layers(info, num_ctx=512, vram_budget=0) == 0
-    assert choose_gpu_layers(info, num_ctx=512, vram_budget=10 * GiB) == info.block_count
+    # llama.cpp's n_gpu_layers counts the output layer: every layer on the GPU is block_count + 1 (block_count
+    # leaves layer 0 on the CPU, a CPU pass per token: 1.35x the time per token on an H200, docs/benchmarks.md)
+    assert choose_gpu_layers(info, num_ctx=512, vram_budget=10 * GiB) == info.block_count + 1
+    assert choose_gpu_layers(info, num_ctx=512, vram_budget=10 * GiB, requested=999) == info.block_count + 1
     assert choose_gpu_layers(info, num_ctx=512, vram_budget=0, requested=1) == 1
     counts = [choose_gpu_layers(info, num_ctx=512, vram_budget=b) for b in range(0, 4_000_000, 100_000)]
     assert counts == sorted(counts)
+
+
+def test_the_split_follows_llama_cpps_placement(tiny_gguf: Path) -> None:
+    """llama.cpp offloads the output layer first, then the repeating layers from the last: n_gpu_layers = 1 is the
+    output alone, n_layer leaves layer 0 on the CPU, n_layer + 1 (or -1) is everything."""
+    info = read_gguf_file(tiny_gguf)
+    n = info.block_count
+    cpu, out_only = estimate(info, num_ctx=512), estimate(info, num_ctx=512, n_gpu_layers=1)
+    almost, full = estimate(info, num_ctx=512, n_gpu_layers=n), estimate(info, num_ctx=512, n_gpu_layers=-1)
+    assert cpu.vram == 0 and out_only.vram >= out_only.output_weights > 0
+    assert 0 < almost.vram < full.vram and almost.ram > full.ram
+    assert full.n_gpu_layers == n + 1 and estimate(info, num_ctx=512, n_gpu_layers=10_000).vram == full.vram
+    assert full.vram - almost.vram >= full.weights_per_layer[0]
 
 
 def test_parse_llama_log() -> None:
