@@ -64,6 +64,7 @@ from daemon.runners.protocol import (
 )
 
 if TYPE_CHECKING:
+    from daemon.llama.kvblocks import Blob
     from daemon.llama.kvdisk import DiskCache
 
 PROMPT_TOO_LONG = (
@@ -354,7 +355,7 @@ class Engine:
             raise EngineError(f"llama.cpp gave no state for slot {slot_id}", 500)
         return list(slot.tokens), slot.shifted_at, buffer[:size].tobytes()
 
-    def restore_slot(self, slot_id: int, tokens: list[int], shifted_at: int | None, state: bytes | bytearray) -> None:
+    def restore_slot(self, slot_id: int, tokens: list[int], shifted_at: int | None, state: Blob) -> None:
         """Put a saved slot's state into idle slot ``slot_id`` (engine thread: through :meth:`call`): it holds
         ``tokens`` afterwards, so the next request whose prompt starts with them takes this slot and evaluates only
         the rest, as if the slot had evaluated them itself. Refused with EngineError, the slot unchanged: 400 a slot

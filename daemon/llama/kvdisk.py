@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from daemon.llama.kvblocks import Unsplittable, join, split
+from daemon.llama.kvblocks import Blob, Unsplittable, join, split
 from daemon.runners.kvstore import BLOCK_TOKENS, SLOTS, KVStore, _Ledger, _RootLock, _write_atomic, chain_hashes
 from daemon.runners.protocol import KVDiskInfo, check_slot_name
 
@@ -99,14 +99,14 @@ class Lookup:
         self.prompt = prompt
         self.n_blocks = n_blocks
         self.tokens = 0
-        self.blob: bytes | bytearray | None = None  # kvblocks.join's
+        self.blob: Blob | None = None  # kvblocks.join's
         self.started = time.monotonic()
         self._done = threading.Event()
 
     def ready(self) -> bool:
         return self._done.is_set() or time.monotonic() - self.started > LOOKUP_WAIT
 
-    def result(self) -> tuple[int, bytes | bytearray | None]:
+    def result(self) -> tuple[int, Blob | None]:
         """(tokens, blob): nothing until the read finished."""
         if not self._done.is_set():
             return 0, None
@@ -547,7 +547,7 @@ def pack_slot(state: bytes, n_tokens: int) -> tuple[int, bytes]:
         return LAYOUT_RAW, state
 
 
-def unpack_slot(saved: SlotFile, n_stream: int) -> bytes | bytearray:
+def unpack_slot(saved: SlotFile, n_stream: int) -> Blob:
     """The state for ``llama_state_seq_set_data`` of a context whose states start with ``n_stream`` (0: unknown)."""
     if saved.layout == LAYOUT_BLOCK:
         if n_stream <= 0:
