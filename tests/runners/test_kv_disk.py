@@ -50,7 +50,8 @@ def start(disk: Path | str | None, limit: int = 1 << 30, **spec: Any) -> tuple[R
     _KEEP.append(runner)  # its log callback must outlive any later llama.cpp call in this process
     assert SMOL is not None
     extra: dict[str, Any] = {"kv_disk_dir": str(disk), "kv_disk_bytes": limit, "kv_key": KEY} if disk else {}
-    runner.load(LoadSpec(model_path=str(SMOL), num_ctx=2048, num_parallel=1, num_batch=512, **extra, **spec))
+    spec = {"num_parallel": 1, **spec}
+    runner.load(LoadSpec(model_path=str(SMOL), num_ctx=2048, num_batch=512, **extra, **spec))
     return runner, chan
 
 
@@ -295,3 +296,26 @@ async def test_a_runner_shut_down_mid_generation_stores_its_prompt_for_the_next(
         assert info.hits == 1 and info.restored_tokens == 2 * BLOCK_TOKENS and info.entries >= 2
     finally:
         await again.close()
+
+
+@needs_smol
+def test_an_ended_sequence_is_stored_when_the_engine_is_idle_not_while_others_decode(tmp_path: Path) -> None:
+    """Copying a long sequence's state out of llama.cpp stops the engine (on a GPU, ~0.9 s for 16k tokens of an
+    8B model, docs/benchmarks.md): while another request decodes, an ended one's blocks wait for a quiet moment."""
+    root = tmp_path / "kv"
+    runner, chan = start(root, num_parallel=2)
+    try:
+        endless = SampleParams(num_predict=100_000, temperature=0, repeat_penalty=1.0, seed=1)
+        runner.engine.submit(1, prompt_of(40, seed=9), endless)
+        end = time.monotonic() + 60
+        while not any(m.get("id") == 1 and m.get("type") == "token" for m in list(chan.msgs)):
+            assert time.monotonic() < end, "the first request did not start"
+            time.sleep(0.01)
+        _, done = ask(runner, chan, 2, prompt_of(PROMPT_LEN))
+        assert done["prompt_cached"] == 0
+        time.sleep(1.0)  # many steps of the first request: none of them stored the second's blocks
+        assert blocks(root) == []
+        runner.engine.cancel(1)
+        wait_blocks(root, 2)  # idle now: stored
+    finally:
+        runner.close()
