@@ -1,10 +1,11 @@
 """The prompt cache on disk (issue 27): time to first token cold, warm, after a restart and after an unload; the
 restore's read throughput against a plain read of the same files; twenty conversations sharing a system prompt.
 
-Usage: .venv/bin/python bench/kv_disk.py [--rounds 3] [--parts ttft,profile,share] [--models smol,tiny]
-       [--write docs/benchmarks.md]
+Usage: .venv/bin/python bench/kv_disk.py [--rounds 3] [--parts ttft,profile,share,tails] [--models smol,tiny]
+       [--write docs/benchmarks.md] [--json FILE]
+       .venv/bin/python bench/kv_disk.py --from-json FILE [--write docs/benchmarks.md]   (the report again, no run)
 
-Every number comes from a real ``corral serve`` on an ephemeral port with its own CORRAL_MODELS and
+Parts 1 and 3 come from a real ``corral serve`` on an ephemeral port with its own CORRAL_MODELS and
 CORRAL_KV_DISK_DIR in a temporary work dir (CORRAL_NUM_PARALLEL=1, CORRAL_KV_DISK=8GiB), spoken to through
 ``/v1/chat/completions`` (streamed, ``stream_options.include_usage``): a system message, then a user question,
 greedy, 8 tokens. TTFT: from sending the request to the first chunk with content, at the client. ``cached`` is the
@@ -49,6 +50,13 @@ each its own user turn of ~300 tokens; the bytes of block files on disk against 
 over the conversations, of the bytes of the blocks in each one's chain); then a daemon restart and each
 conversation's second turn: the disk cache's hits and misses from /api/ps (``kv_disk``), the tokens restored and
 each request's cached tokens.
+
+``tails``: the engine in-process on the random model, one runner with flash attention auto and one with it off: an
+8,192-token prompt, then prompts with that prefix and 16-256 new tokens after it, TTFT by the number of new tokens
+(why an in-RAM hit can take longer than a restore on this CPU).
+
+Needs root for ``drop_caches`` (without it the report says the page cache was NOT dropped) and SmolLM2 cached. On a
+shared 2-core machine the figures move with other work: medians, and the report says so.
 """
 
 from __future__ import annotations
