@@ -38,6 +38,9 @@ def log_prompt_cut(model: str, cut: Truncated) -> None:
     )
 
 
+FIT_MARGIN = 4  # tokens the runner's tokenizer may add to a text's own (BOS, EOS, a leading space)
+
+
 async def render_chat(
     lease: Lease,
     ctx: ModelContext,
@@ -62,6 +65,11 @@ async def render_chat(
         return text
     droppable = [i for i, m in enumerate(msgs[:-1]) if m.role != "system"]
     if not droppable:
+        return text
+    if len(text.encode("utf-8")) + FIT_MARGIN <= num_ctx:
+        # a token covers at least a byte of the text (a word, a special token's name, a byte-fallback token) and the
+        # runner adds at most a few (BOS, a leading space): it fits without a round trip to the runner to count it,
+        # which every multi-turn chat paid before its first token
         return text
     total = len(await lease.runner.tokenize(text))
     if total <= num_ctx:

@@ -208,6 +208,16 @@ async def test_fitting_drops_the_oldest_messages_in_a_few_tokenizations(n: int) 
     assert not runner.tokenized and all(f"m{i} " in runner.requests[-1].prompt for i in range(n))
 
 
+@pytest.mark.anyio
+async def test_a_chat_that_surely_fits_is_not_counted_before_it_runs() -> None:
+    """A chat whose text has fewer bytes than num_ctx has fewer tokens: no tokenize round trip to the runner before
+    the generation (every multi-turn chat paid one before its first token)."""
+    runner = FakeRunner([[done()]])
+    inf = FakeInference(runner)
+    await collect(await run_chat(inf, chat("hello", "hi there", "how are you?", options={"num_ctx": 4096}), 0.0))
+    assert not runner.tokenized and "how are you?" in runner.requests[0].prompt
+
+
 # -- the crash retry --------------------------------------------------------------------------------------------
 @pytest.mark.anyio
 async def test_a_crash_before_the_first_token_runs_again_on_a_safer_load() -> None:
