@@ -31,7 +31,16 @@ from typing import Any
 import numpy as np
 
 from daemon.llama.kvblocks import Blob, Unsplittable, join, split
-from daemon.runners.kvstore import BLOCK_TOKENS, SLOTS, KVStore, _Ledger, _RootLock, _write_atomic, chain_hashes
+from daemon.runners.kvstore import (
+    BLOCK_TOKENS,
+    SLOTS,
+    KVStore,
+    _Ledger,
+    _RootLock,
+    _write_atomic,
+    chain_hashes,
+    evict_lru,
+)
 from daemon.runners.protocol import KVDiskInfo, check_slot_name
 
 # Snapshots waiting for the writer may hold this many bytes (a larger one is taken only when none waits): a disk
@@ -448,17 +457,7 @@ class SlotFiles:
                 507,
             )
         if total - old + size > limit:
-            target = int(limit * 0.9)
-            for _mtime, victim, vsize in sorted(files):
-                if total - old + size <= target:
-                    break
-                try:
-                    os.unlink(victim)
-                except FileNotFoundError:
-                    pass
-                except OSError:
-                    continue
-                total -= vsize
+            total, _ = evict_lru(files, total, int(limit * 0.9), size - old)
         if total - old + size > limit:  # a block that could not be removed
             _Ledger(self.store.root).write(total, time.time())
             raise SlotFileError(

@@ -48,7 +48,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 __all__ = [
@@ -336,6 +336,30 @@ def remove_saved_slot(root: str | os.PathLike[str], model: Mapping[str, str], na
     return freed
 
 
+def evict_lru(
+    files: Iterable[tuple[int, str, int]], total: int, target: int, extra: int, new: str | None = None
+) -> tuple[int, bool]:
+    """Remove files (mtime, path, size), least recently used first, until ``total + extra`` is within ``target``
+    (the root lock is held); a file that cannot be removed is passed over. ``new``: the path standing for the file
+    about to be written, sorted among the others: reached, it is not written and ``extra`` no longer counts.
+    Returns the bytes left and whether the new file is still to be written."""
+    write = True
+    for _mtime, victim, vsize in sorted(files):
+        if total + (extra if write else 0) <= target:
+            break
+        if victim == new:
+            write = False
+            continue
+        try:
+            os.unlink(victim)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            continue
+        total -= vsize
+    return total, write
+
+
 class KVStore:
     """The blocks of one cache key under ``root`` (shared with other keys and processes), bounded together with
     them by ``limit_bytes``. Thread-safe; ``save`` and ``load`` never raise for anything the disk does."""
@@ -592,21 +616,8 @@ class KVStore:
         files, total = self._scan()
         write = True
         if total + size > self.limit_bytes:
-            target = int(self.limit_bytes * _LOW_WATER)
-            new = ""  # sorts before every path: an equal mtime evicts the new block first
-            for _mtime, victim, vsize in sorted([*files, (mtime, new, size)]):
-                if total + (size if write else 0) <= target:
-                    break
-                if victim == new:
-                    write = False
-                    continue
-                try:
-                    os.unlink(victim)
-                except FileNotFoundError:
-                    pass
-                except OSError:
-                    continue
-                total -= vsize
+            # "" sorts before every path: an equal mtime evicts the new block first
+            total, write = evict_lru([*files, (mtime, "", size)], total, int(self.limit_bytes * _LOW_WATER), size, "")
         ledger.write(total + (size if write else 0), time.time())
         return write
 
