@@ -35,6 +35,13 @@ OPTION_TYPES: dict[str, type] = {
     "presence_penalty": float,
     "frequency_penalty": float,
     "stop": list,
+    # speculative decoding (issue 28): the draft model's name, and llama-server's --draft-max, --draft-min,
+    # --draft-p-min; draft_ngram: prompt lookup with n-grams of this length (0: off)
+    "draft_model": str,
+    "draft_max": int,
+    "draft_min": int,
+    "draft_p_min": float,
+    "draft_ngram": int,
 }
 
 #: Options Ollama no longer honours: a Modelfile warns and drops them, the API ignores them.
@@ -69,6 +76,10 @@ DEFAULT_OPTIONS: dict[str, OptionValue] = {
     "repeat_penalty": 1.0,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
+    "draft_max": 16,
+    "draft_min": 0,
+    "draft_p_min": 0.75,
+    "draft_ngram": 0,
 }
 
 TRUE_WORDS = frozenset({"1", "t", "T", "TRUE", "true", "True"})
@@ -106,6 +117,10 @@ RANGES: dict[str, tuple[float | None, float | None, str]] = {
     "typical_p": (0, 1, "must be between 0 and 1"),
     "repeat_last_n": (-1, None, "must be -1 (the whole context), 0 (off) or more"),
     "temperature": (0, None, "must not be negative"),
+    "draft_max": (0, 256, "must be between 0 (no drafting) and 256"),
+    "draft_min": (0, 256, "must be between 0 and 256"),
+    "draft_p_min": (0, 1, "must be between 0 and 1"),
+    "draft_ngram": (0, 64, "must be between 0 (off) and 64"),
 }
 
 

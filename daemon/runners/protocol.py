@@ -108,6 +108,11 @@ class LoadSpec:
     kv_disk_dir: str = ""
     kv_disk_bytes: int = 0
     kv_key: str = ""
+    # speculative decoding (issue 28): a draft model loaded beside the target in this runner ("" for none; the
+    # daemon has checked that it shares the target's vocabulary), and the draft's n_gpu_layers (same counting as
+    # ``num_gpu``)
+    draft_path: str = ""
+    draft_num_gpu: int = 0
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,14 @@ class SampleParams:
     # (-100 bans the token, +100 all but forces it); checked once, by daemon.runners.base.parse_logit_bias, on the
     # daemon's side; ids < n_vocab by the runner (sampling.bias_arrays)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # speculative decoding, llama-server's names: at most ``draft_max`` tokens drafted per step (0: none), a draft
+    # shorter than ``draft_min`` is not verified, the draft model stops drafting at a token it gives less than
+    # ``draft_p_min`` probability; ``draft_ngram``: prompt lookup with n-grams of this length (0: off), used
+    # with or without a draft model
+    draft_max: int = int(option_default("draft_max"))
+    draft_min: int = int(option_default("draft_min"))
+    draft_p_min: float = float(option_default("draft_p_min"))
+    draft_ngram: int = int(option_default("draft_ngram"))
 
 
 @dataclass(frozen=True)
@@ -167,6 +180,8 @@ class Done:
     prompt_cached: int = 0  # of prompt_eval_count, the tokens reused from the KV cache rather than evaluated
     context: tuple[int, ...] = ()  # prompt + response tokens
     stop_sequence: str | None = None  # the stop string that ended it, if one did
+    draft_n: int = 0  # tokens drafted (speculative decoding; llama-server's timings name)
+    draft_n_accepted: int = 0  # of those, the tokens the model kept
 
 
 @dataclass(frozen=True)
