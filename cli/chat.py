@@ -115,7 +115,8 @@ def _fixed(value: int, unit: int, digits: int) -> str:
 
 
 def stats_lines(final: dict[str, Any]) -> list[str]:
-    """Ollama's ``--verbose`` block from a final (``done``) response object."""
+    """Ollama's ``--verbose`` block from a final (``done``) response object, with a line of drafted and accepted
+    tokens when the request asked for speculative decoding (the object has ``draft_n``)."""
 
     def rate(count: int, ns: int) -> str:
         return f"{count / (ns / 1e9):.2f} tokens/s" if ns > 0 else "0.00 tokens/s"
@@ -135,6 +136,10 @@ def stats_lines(final: dict[str, Any]) -> list[str]:
     if ed:
         lines.append(f"eval duration:        {go_duration(ed)}")
         lines.append(f"eval rate:            {rate(ec, ed)}")
+    if final.get("draft_n") is not None:  # speculative decoding was asked for: drafted, and of them accepted
+        drafted, accepted = int(final.get("draft_n") or 0), int(final.get("draft_n_accepted") or 0)
+        share = f", {accepted / drafted:.0%}" if drafted else ""
+        lines.append(f"draft tokens:         {drafted} token(s) ({accepted} accepted{share})")
     return lines
 
 

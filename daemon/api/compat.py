@@ -27,6 +27,7 @@ from daemon.api.streaming import LiveStream
 from daemon.generation.calls import KeepAlive
 from daemon.logs import note
 from errors import CorralError, InvalidRequest, ModelNotFound
+from modelfile.params import RANGES
 
 log = logging.getLogger(__name__)
 Handler = Callable[..., Awaitable[Response]]
@@ -131,6 +132,38 @@ def stops(value: Any, param: str) -> list[str] | None:
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
         return list(value)
     raise BadParam(param, f"'{param}' must be a string or an array of strings")
+
+
+#: llama-server's per-request speculation fields (flat keys with a dot, at the top of its /v1 and /completion
+#: bodies) and the Ollama-style options they set, with their JSON kind
+SPECULATIVE_FIELDS = (
+    ("speculative.n_max", "draft_max", "int"),
+    ("speculative.n_min", "draft_min", "int"),
+    ("speculative.p_min", "draft_p_min", "num"),
+)
+
+
+def speculative_options(body: dict[str, Any]) -> dict[str, Any]:
+    """The speculative-decoding options a /v1 body sets outside ``options``: LM Studio's top-level ``draft_model``
+    (a model in the store, used as the draft for this request) and llama-server's ``speculative.n_max``,
+    ``speculative.n_min`` and ``speculative.p_min`` (as ``draft_max``, ``draft_min``, ``draft_p_min``). Each is
+    checked here, with the option's range, so that a bad value is a 400 naming the field the client sent."""
+    out: dict[str, Any] = {}
+    draft = get(body, "draft_model", "str")
+    if draft is not None:
+        if not draft.strip():
+            raise BadParam(
+                "draft_model",
+                "'draft_model' must name a model (`corral list` shows them); leave it out for no draft model, "
+                'or send "speculative.n_max": 0 to turn speculative decoding off for this request',
+            )
+        out["draft_model"] = draft
+    for name, option, kind in SPECULATIVE_FIELDS:
+        lo, hi, _ = RANGES[option]
+        value = get(body, name, kind, lo=lo, hi=hi)
+        if value is not None:
+            out[option] = value
+    return out
 
 
 # reasoning_effort (or reasoning.effort) -> Ollama's think, as Ollama's OpenAI layer maps it: OpenAI's scale runs

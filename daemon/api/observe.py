@@ -1,6 +1,7 @@
 """Request logs and Prometheus metrics.
 
-One log line per request (method, path, status, model, tokens, duration; key=value). Prompts are never logged
+One log line per request (method, path, status, model, tokens, drafted and accepted tokens when speculative decoding
+was asked for, duration; key=value). Prompts are never logged
 unless ``CORRAL_LOG_PROMPTS=1``; keys and Authorization headers never are. Routes add what they know (model,
 token counts) through :func:`daemon.logs.note`, which writes into a per-request dict shared with the middleware.
 """
@@ -44,6 +45,16 @@ class Metrics:
             registry=r,
         )
         self.generated_tokens = Counter("corral_generated_tokens", "Tokens generated", ["model"], registry=r)
+        # speculative decoding (llama-server's draft_n and draft_n_accepted), counted for requests that asked for it
+        self.draft_tokens = Counter(
+            "corral_draft_tokens", "Tokens drafted by speculative decoding (draft_n)", ["model"], registry=r
+        )
+        self.draft_accepted_tokens = Counter(
+            "corral_draft_accepted_tokens",
+            "Drafted tokens the model accepted (draft_n_accepted)",
+            ["model"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "corral_time_to_first_token_seconds",
             "Time from request to first token",
@@ -132,6 +143,9 @@ class Observe:
                 self.metrics.prompt_tokens.labels(model).inc(info.get("prompt_eval_count", 0))
                 self.metrics.cached_tokens.labels(model).inc(info.get("prompt_cached", 0))
                 self.metrics.generated_tokens.labels(model).inc(info["eval_count"])
+                if info.get("draft_n") is not None:
+                    self.metrics.draft_tokens.labels(model).inc(info["draft_n"])
+                    self.metrics.draft_accepted_tokens.labels(model).inc(info.get("draft_n_accepted", 0))
                 if info.get("ttft") is not None:
                     self.metrics.ttft.labels(model).observe(info["ttft"])
                 if info.get("eval_duration"):
@@ -140,7 +154,7 @@ class Observe:
             # control characters are escaped by the log formatter (so no line can be)
             extra = "".join(
                 f" {k}={logs.quote(info[k])}"
-                for k in ("model", "prompt_eval_count", "prompt_cached", "eval_count")
+                for k in ("model", "prompt_eval_count", "prompt_cached", "eval_count", "draft_n", "draft_n_accepted")
                 if k in info
             )
             if "prompt" in info:

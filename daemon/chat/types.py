@@ -193,6 +193,10 @@ class Finished:
     prompt_cached: int = 0  # prompt tokens served from the KV cache (OpenAI's cached_tokens)
     stop_sequence: str | None = None  # the user stop string that ended it (Anthropic's stop_sequence)
     context: tuple[int, ...] | None = None  # /api/generate's context, when it has one
+    # speculative decoding (llama-server's timings names): tokens drafted and, of them, accepted; None when the
+    # request did not ask for speculation and nothing was drafted (then no dialect shows them)
+    draft_n: int | None = None
+    draft_n_accepted: int | None = None
 
     def metrics(self) -> dict[str, int]:
         """Ollama's metric fields."""
@@ -204,6 +208,12 @@ class Finished:
             "eval_count": self.eval_count,
             "eval_duration": self.eval_duration,
         }
+
+    def drafts(self) -> dict[str, int]:
+        """``draft_n`` and ``draft_n_accepted`` when speculation was asked for (or drafted anything), else {}."""
+        if self.draft_n is None:
+            return {}
+        return {"draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted or 0}
 
 
 Event = Content | Thinking | ToolCalls | Finished

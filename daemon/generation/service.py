@@ -84,13 +84,30 @@ def _params(inf: Inference, opts: dict[str, Any], call: Call, fmt: object) -> Sa
     return _with_logprobs(inf.sample_params(opts, fmt, logit_bias=call.logit_bias), call)
 
 
+def speculating(opts: dict[str, Any]) -> bool:
+    """Whether merged options ask for speculative decoding: a draft model or prompt lookup (``draft_ngram``), with
+    ``draft_max`` above 0 (0 turns it off). Such a request reports ``draft_n``/``draft_n_accepted`` even when
+    nothing was drafted, so that "on, but nothing drafted" reads apart from "off"."""
+    if int(opts.get("draft_max") or 0) <= 0:
+        return False
+    return bool(opts.get("draft_model")) or int(opts.get("draft_ngram") or 0) > 0
+
+
 async def _load_only(inf: Inference, ctx: ModelContext, keep_alive: float | None, opts: dict[str, Any]) -> None:
     lease = await inf.acquire(ctx, inf.load_spec(ctx, opts), keep_alive)
     lease.release()
 
 
 # -- one generation -------------------------------------------------------------------------------------------
-def _finished(done: Done, started: float, lease: Lease, *, context: tuple[int, ...] | None = None) -> Finished:
+def _finished(
+    done: Done, started: float, lease: Lease, *, context: tuple[int, ...] | None = None, speculative: bool = False
+) -> Finished:
+    """The runner's Done as the chat core's Finished, noted for the request's log line and metrics. The draft
+    counts are reported when the request asked for speculation (:func:`speculating`) or the runner drafted
+    anyway; otherwise they stay None and no dialect shows them."""
+    drafted = speculative or done.draft_n > 0
+    draft_n = done.draft_n if drafted else None
+    draft_n_accepted = done.draft_n_accepted if drafted else None
     note(
         model=lease.ref.name,
         prompt_eval_count=done.prompt_eval_count,
@@ -99,6 +116,8 @@ def _finished(done: Done, started: float, lease: Lease, *, context: tuple[int, .
         eval_duration=done.eval_duration,
         ttft=lease.load_duration + done.prompt_eval_duration / 1e9,
     )
+    if drafted:
+        note(draft_n=done.draft_n, draft_n_accepted=done.draft_n_accepted)
     return Finished(
         done_reason=done.done_reason,
         prompt_eval_count=done.prompt_eval_count,
@@ -110,6 +129,8 @@ def _finished(done: Done, started: float, lease: Lease, *, context: tuple[int, .
         prompt_cached=done.prompt_cached,
         stop_sequence=done.stop_sequence,
         context=context,
+        draft_n=draft_n,
+        draft_n_accepted=draft_n_accepted,
     )
 
 
@@ -138,10 +159,17 @@ async def _stream_tokens(lease: Lease, greq: GenerateRequest) -> AsyncIterator[T
 
 
 async def _events(
-    lease: Lease, greq: GenerateRequest, stream: EventStream, started: float, *, with_context: bool = False
+    lease: Lease,
+    greq: GenerateRequest,
+    stream: EventStream,
+    started: float,
+    *,
+    with_context: bool = False,
+    speculative: bool = False,
 ) -> AsyncIterator[Event]:
     """One generation as typed events: the runner's pieces through the output parser, then Finished. A prompt
-    the runner cut to fit the context is logged here (once, even when a crashed runner's retry cuts it again)."""
+    the runner cut to fit the context is logged here (once, even when a crashed runner's retry cuts it again).
+    ``speculative``: the request asked for speculative decoding (its Finished reports the draft counts)."""
     told = False
     async for item in _stream_tokens(lease, greq):
         if isinstance(item, Token):
@@ -154,7 +182,8 @@ async def _events(
         else:
             for event in stream.add("", done=True):
                 yield event
-            yield _finished(item, started, lease, context=tuple(item.context) if with_context else None)
+            context = tuple(item.context) if with_context else None
+            yield _finished(item, started, lease, context=context, speculative=speculative)
 
 
 class Run:
@@ -250,7 +279,10 @@ async def run_generate(inf: Inference, call: GenerateCall, started: float) -> Ru
         prompt=text, params=params, context=call.context, shift=call.shift, truncate=call.truncate, images=ordered
     )
     lease = await inf.acquire(ctx, inf.load_spec(ctx, opts), keep_alive)
-    return Run(_events(lease, greq, EventStream(parser, None), started, with_context=not call.raw))
+    events = _events(
+        lease, greq, EventStream(parser, None), started, with_context=not call.raw, speculative=speculating(opts)
+    )
+    return Run(events)
 
 
 # -- chat -----------------------------------------------------------------------------------------------------
@@ -353,7 +385,7 @@ class _Chat:
             note(prompt=text)
         defer_format = call.format is not None and call.format != "" and thinks
         greq = self.request(text, None if defer_format else call.format)
-        first = _events(lease, greq, EventStream(parser, call.tools), self.started)
+        first = _events(lease, greq, EventStream(parser, call.tools), self.started, speculative=speculating(self.opts))
         # counted by the runner while it starts generating (the lease is held until the generation ends or is closed)
         prompt_count = asyncio.ensure_future(lease.runner.tokenize(text)) if count_prompt else None
         if prompt_count is not None:  # a count nobody waits for (the generation failed first) is not an error to log
@@ -387,7 +419,10 @@ async def _thinking_then_format(chat: _Chat, first: AsyncIterator[Event]) -> Asy
     if thought:
         text += pipeline.answer_after_thinking(chat.ctx.chat)  # past the thinking, into the answer
     greq = chat.request(text, chat.call.format)
-    async for event in _events(lease, greq, EventStream(parser, chat.call.tools), chat.started):
+    events = _events(
+        lease, greq, EventStream(parser, chat.call.tools), chat.started, speculative=speculating(chat.opts)
+    )
+    async for event in events:
         yield event
 
 

@@ -204,6 +204,7 @@ async def ollama_chunks(run: Run, model: str, *, chat: bool) -> AsyncIterator[di
                 if not chat and event.context is not None:
                     final["context"] = list(event.context)
                 final.update(event.metrics())
+                final.update(event.drafts())  # draft_n, draft_n_accepted: when the request asked for speculation
                 if chat:
                     final["message"][text_key] = ""
                 yield final

@@ -6,6 +6,10 @@ absent temperature or top_p means 1.0. Beyond Ollama: an ``options`` object in t
 ``extra_body``) passes any Ollama option, such as ``num_ctx``; ``tool_choice`` "required" or naming a function
 forces the call with a grammar; ``logprobs``/``top_logprobs`` work; ``echo`` works in completions.
 
+Speculative decoding per request: LM Studio's top-level ``draft_model`` and llama-server's ``speculative.n_max``,
+``speculative.n_min``, ``speculative.p_min`` (the options draft_model, draft_max, draft_min, draft_p_min; any other
+draft option, such as draft_ngram, in ``options``); ``usage`` then reports ``draft_n`` and ``draft_n_accepted``.
+
 ``n`` (1 to 16) returns n choices, generated at once as n sequences that the runner decodes side by side (with a
 ``seed``, choice i uses seed + i); ``logit_bias`` is added to the logits before every sampling step (-100 bans a
 token, +100 forces it). A field corral does not know is ignored, as SDKs add new ones; a known OpenAI field that
@@ -36,6 +40,7 @@ from daemon.api.compat import (
     keep_alive_of,
     openai_error,
     shaped,
+    speculative_options,
     sse_data,
     sse_response,
     stops,
@@ -80,6 +85,7 @@ def _options(body: dict[str, Any]) -> tuple[JSONObject, LogitBias]:
     extra = get(body, "options", "dict")
     if extra:
         opts.update(extra)
+    opts.update(speculative_options(body))  # draft_model, speculative.n_max/n_min/p_min
     for name, kind, lo, hi in (
         ("temperature", "num", 0, 2),
         ("top_p", "num", 0, 1),
@@ -332,7 +338,8 @@ def _openai_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _usage(final: Finished | None) -> dict[str, Any]:
     """OpenAI's usage. prompt_tokens counts every prompt token (as Ollama); of them, cached_tokens were found in
-    the runner's KV cache (or restored from RAM) and not evaluated again, as OpenAI reports its prompt caching."""
+    the runner's KV cache (or restored from RAM) and not evaluated again, as OpenAI reports its prompt caching.
+    With speculative decoding asked for, ``draft_n`` and ``draft_n_accepted`` (llama-server's names) too."""
     final = final or Finished("stop")
     p, c = final.prompt_eval_count, final.eval_count
     return {
@@ -340,6 +347,7 @@ def _usage(final: Finished | None) -> dict[str, Any]:
         "completion_tokens": c,
         "total_tokens": p + c,
         "prompt_tokens_details": {"cached_tokens": final.prompt_cached},
+        **final.drafts(),
     }
 
 
@@ -379,6 +387,10 @@ def _usage_of(finals: list[Finished | None]) -> dict[str, Any]:
     completion = sum(f.eval_count for f in finals if f is not None)
     usage["completion_tokens"] = completion
     usage["total_tokens"] = usage["prompt_tokens"] + completion
+    drafts = [f.drafts() for f in finals if f is not None and f.drafts()]
+    if drafts:  # drafted per choice: summed, as the completion tokens are
+        usage["draft_n"] = sum(d["draft_n"] for d in drafts)
+        usage["draft_n_accepted"] = sum(d["draft_n_accepted"] for d in drafts)
     return usage
 
 

@@ -12,7 +12,8 @@ hosted ones (``web_search``, ``file_search``, ...) and any other type; a ``web_s
 skipped. ``tool_choice`` "required" or ``{"type": "function", "name"}`` forces the call with a grammar, as in
 ``/v1/chat/completions``. ``text.format`` json_schema and json_object constrain the output with a grammar;
 ``max_output_tokens``, ``temperature`` and ``top_p`` map to Ollama's options (an ``options`` object passes any
-other, such as ``seed`` or ``num_ctx``).
+other, such as ``seed`` or ``num_ctx``); ``draft_model`` and ``speculative.n_max``/``n_min``/``p_min`` as in
+``/v1/chat/completions`` (speculative decoding; ``usage`` then has ``draft_n`` and ``draft_n_accepted``).
 
 ``reasoning.effort`` maps to ``think`` as Ollama does (none: off; minimal: low; low, medium, high, max as they
 are; xhigh and ultra: max) for a model that can think; for a model that cannot, it is ignored rather than refused,
@@ -55,6 +56,7 @@ from daemon.api.compat import (
     keep_alive_of,
     openai_error,
     shaped,
+    speculative_options,
     sse_event,
     sse_response,
     think_of,
@@ -261,6 +263,7 @@ def _messages(body: dict[str, Any]) -> list[Message]:
 def _options(body: dict[str, Any]) -> dict[str, Any]:
     opts: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0}  # OpenAI's defaults, as /v1/chat/completions
     opts.update(get(body, "options", "dict") or {})
+    opts.update(speculative_options(body))  # draft_model, speculative.n_max/n_min/p_min, as /v1/chat/completions
     for name, hi in (("temperature", 2), ("top_p", 1)):
         value = get(body, name, "num", lo=0, hi=hi)
         if value is not None:
@@ -424,6 +427,7 @@ def _usage(final: Finished) -> dict[str, Any]:
         "output_tokens": c,
         "output_tokens_details": {"reasoning_tokens": 0},  # thinking tokens are not counted apart
         "total_tokens": p + c,
+        **final.drafts(),  # draft_n, draft_n_accepted: when the request asked for speculative decoding
     }
 
 
