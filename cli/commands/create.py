@@ -69,7 +69,12 @@ def build_request(name: str, source: ModelfileSource, client: DaemonClient) -> d
     for param in mf.deprecated_parameters:
         output.err(f"warning: parameter {param} is deprecated")
     if getattr(mf, "drafts", ()):
-        output.err("warning: DRAFT is not supported by corral; ignored")
+        # Ollama's DRAFT uploads a draft model's own files into this model; corral's draft model is a model of its
+        # own in the store, named by a parameter (and per request by options.draft_model)
+        output.err(
+            "warning: DRAFT (a draft model's files) is not supported by corral; ignored. Create the draft as a model "
+            "of its own (corral create NAME -f ...) and name it with PARAMETER draft_model NAME"
+        )
 
     payload: dict[str, Any] = {"model": name}
     model_paths: list[Path] = []

@@ -80,7 +80,8 @@ def ps(
 
 
 def notes(models: list[dict[str, Any]], prefix: str | None = None) -> list[str]:
-    """Below the table: the names sharing a runner, and a safer configuration corral chose after a crash."""
+    """Below the table: the names sharing a runner, the draft model loaded with a model, and a safer
+    configuration corral chose after a crash."""
     out = []
     for m in models:
         name = str(m.get("name") or m.get("model") or "")
@@ -89,6 +90,8 @@ def notes(models: list[dict[str, Any]], prefix: str | None = None) -> list[str]:
         others = [n for n in m.get("names") or [] if n != name]
         if others:
             out.append(f"{name} also serves {', '.join(others)} (the same weights, one runner)")
+        if m.get("draft_model"):
+            out.append(f"{name} drafts with {m['draft_model']} (speculative decoding; its memory is in SIZE)")
         if m.get("fallback"):
             out.append(f"{name} runs with {m['fallback']}")
         kv = m.get("kv_disk")

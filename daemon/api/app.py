@@ -81,7 +81,7 @@ def default_estimator(catalog: Catalog) -> Callable[[ModelRef, LoadSpec], Memory
     """The scheduler's memory estimate of a load (it runs it in a worker thread, off the event loop). The header is
     read bounded (registry.gguf's limits; at most MAX_LAYERS layers) and without the token list: per-layer arrays
     (at most MAX_LAYERS long) are all the estimate reads."""
-    from daemon.scheduling.memory import estimate, projector_file_memory
+    from daemon.scheduling.memory import draft_header, draft_memory, estimate, projector_file_memory
     from registry.gguf import MAX_LAYERS, read_gguf_file
 
     def run(ref: ModelRef, spec: LoadSpec) -> MemoryUse:
@@ -95,7 +95,17 @@ def default_estimator(catalog: Catalog) -> Callable[[ModelRef, LoadSpec], Memory
             kv_type=spec.kv_cache_type,
             projector=projector_file_memory(spec.projector_path) if spec.projector_path else 0,
         )
-        return MemoryUse(ram=est.ram + spec.prompt_cache, vram=est.vram)
+        draft_ram = draft_vram = 0
+        if spec.draft_path:  # the draft model loaded beside it (speculative decoding): weights, KV cache, buffer
+            draft_ram, draft_vram = draft_memory(
+                draft_header(spec.draft_path),
+                num_ctx=spec.num_ctx,
+                num_parallel=spec.num_parallel,
+                num_batch=spec.num_batch,
+                n_gpu_layers=spec.draft_num_gpu,
+                kv_type=spec.kv_cache_type,
+            )
+        return MemoryUse(ram=est.ram + spec.prompt_cache + draft_ram, vram=est.vram + draft_vram)
 
     return run
 

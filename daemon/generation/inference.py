@@ -3,6 +3,8 @@ sampling parameters, and hold a scheduler lease while the runner works."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from daemon.chat.pipeline import ChatModel
 from daemon.models.catalog import Catalog
+from daemon.models.draft import Draft, check_vocabulary, draft_option, find_draft
 from daemon.runners.base import LoadSpec, SampleParams
 from daemon.scheduling.scheduler import Lease, ModelRef, Scheduler
 from daemon.settings import Settings, SettingsError, parse_duration
@@ -141,6 +144,9 @@ class Inference:
         # model() by the name as given, with what proves it current: the store's generation and the manifest's
         # identity on disk (a manifest replaced or removed behind the daemon's back shows in its stat)
         self._models: OrderedDict[str, tuple[int, tuple[int, int, int], ModelContext]] = OrderedDict()
+        # draft models (speculative decoding) by the name as given, with what proves them current (as _models)
+        self._drafts: dict[str, tuple[int, tuple[int, int, int] | None, Draft]] = {}
+        self._draft_names: dict[str, str] = {}  # draft blob path -> the name it was last asked by (/api/ps shows it)
 
     # -- the model ---------------------------------------------------------------------------------------------
     async def lookup(self, raw: str) -> ModelContext:
@@ -197,7 +203,77 @@ class Inference:
             projector_path=None if projector is None else self.catalog.store.blob_path(projector.digest),
         )
         mctx.projector_memory  # noqa: B018 - read its header here, in the thread pool, not in load_spec
+        if draft_option(mctx.params) and "completion" in mctx.capabilities:
+            # the model's own draft (PARAMETER draft_model): resolved and its vocabulary compared here, in the
+            # thread pool, so load_spec finds both remembered; what is wrong is said there, when a request drafts
+            with contextlib.suppress(CorralError):
+                self.draft_for(mctx, mctx.params)
         return mctx
+
+    # -- the draft model (speculative decoding, issue 28) ------------------------------------------------------
+    def draft_for(self, ctx: ModelContext, opts: dict[str, Any]) -> Draft | None:
+        """The draft model the merged options name (a request's ``draft_model`` over the model's PARAMETER; ""
+        for none), resolved in the store and checked to share the model's vocabulary: a 400 naming both
+        otherwise. Both the resolution and the comparison are remembered (this runs on every request)."""
+        raw = draft_option(opts)
+        if not raw:
+            return None
+        store = self.catalog.store
+        hit = self._drafts.get(raw)
+        draft: Draft | None = None
+        if hit is not None:
+            generation, stamp, known = hit
+            if generation == store.generation and stamp is not None and stamp == store.manifest_stamp(known.model):
+                draft = known
+        if draft is None:
+            generation = store.generation
+            draft = find_draft(self.catalog, raw, model=ctx.raw)
+            if len(self._drafts) >= MODEL_CACHE:
+                self._drafts.clear()
+            self._drafts[raw] = (generation, store.manifest_stamp(draft.model), draft)
+        check_vocabulary(ctx.raw, str(ctx.model_path), draft, raw=raw)
+        if len(self._draft_names) >= MODEL_CACHE:
+            self._draft_names.clear()
+        self._draft_names[str(draft.path)] = draft.name
+        return draft
+
+    def draft_name(self, path: str) -> str:
+        """The model name a draft blob was last asked for by ("" for none or unknown)."""
+        return self._draft_names.get(path, "") if path else ""
+
+    def _draft_layers(self, draft: Draft, num_ctx: int, num_batch: int, parallel: int, left: int, kv: str) -> int:
+        """The draft's GPU layers: the target's offload policy applied to the VRAM the target leaves (``left``):
+        all of its layers when they fit, else as many as fit, none without a GPU budget."""
+        if self.vram_budget <= 0 or left <= 0:
+            return 0
+        from daemon.scheduling.memory import choose_gpu_layers
+
+        return choose_gpu_layers(
+            draft.info, num_ctx=num_ctx, num_parallel=parallel, num_batch=num_batch, vram_budget=left, kv_type=kv
+        )
+
+    def _with_draft(
+        self,
+        draft: Draft | None,
+        est: Estimate,
+        num_ctx: int,
+        num_batch: int,
+        parallel: int,
+        kv: str,
+        *,
+        cpu_only: bool = False,
+    ) -> tuple[int, int, int]:
+        """(the draft's GPU layers, ram, vram) of the target's estimate ``est`` plus the draft beside it."""
+        if draft is None:
+            return 0, est.ram, est.vram
+        from daemon.scheduling.memory import draft_memory
+
+        left = self.vram_budget - est.vram
+        layers = 0 if cpu_only else self._draft_layers(draft, num_ctx, num_batch, parallel, left, kv)
+        ram, vram = draft_memory(
+            draft.info, num_ctx=num_ctx, num_parallel=parallel, num_batch=num_batch, n_gpu_layers=layers, kv_type=kv
+        )
+        return layers, est.ram + ram, est.vram + vram
 
     def has_projector(self, ctx: ModelContext) -> bool:
         return ctx.stored.manifest.first(MEDIA_PROJECTOR) is not None
@@ -248,14 +324,24 @@ class Inference:
         flash_attn = self.settings.flash_attention
         if kv_type != "f16" and flash_attn == "auto":
             flash_attn = "on"
-        num_parallel = 1 if embedding else self.parallel_for(ctx, num_ctx, num_batch, kv_type)
+        # the draft model (speculative decoding): generation only, never an embedding or rerank runner
+        draft = None if embedding else self.draft_for(ctx, opts)
+        num_parallel = 1 if embedding else self.parallel_for(ctx, num_ctx, num_batch, kv_type, draft=draft)
         num_gpu = int(opts["num_gpu"])
         if num_gpu < 0:
             num_gpu = self.choose_gpu_layers(ctx, num_ctx, num_batch, num_parallel, kv_type)
         num_thread = int(opts["num_thread"]) or self.physical_cores
         prompt_cache = (
-            0 if embedding else self.prompt_cache_for(ctx, num_ctx, num_batch, num_parallel, num_gpu, kv_type)
+            0
+            if embedding
+            else self.prompt_cache_for(ctx, num_ctx, num_batch, num_parallel, num_gpu, kv_type, draft=draft)
         )
+        draft_gpu = 0
+        if draft is not None:
+            est = self._estimate(ctx, num_ctx, num_batch, num_parallel, num_gpu, kv_type)
+            draft_gpu, _, _ = self._with_draft(
+                draft, est, num_ctx, num_batch, num_parallel, kv_type, cpu_only=num_gpu == 0
+            )
         # the prompt cache on disk: for generation only (an embedding or rerank runner keeps no KV state)
         kv_dir = self.settings.kv_disk_dir
         kv_disk = not embedding and self.settings.kv_disk > 0 and kv_dir is not None
@@ -278,6 +364,8 @@ class Inference:
             kv_disk_dir=str(kv_dir) if kv_disk else "",
             kv_disk_bytes=self.settings.kv_disk if kv_disk else 0,
             kv_key=self.kv_key_for(ctx, kv_type, flash_attn) if kv_disk else "",
+            draft_path="" if draft is None else str(draft.path),
+            draft_num_gpu=draft_gpu,
         )
 
     def kv_key_for(self, ctx: ModelContext, kv_type: str, flash_attn: str) -> str:
@@ -312,27 +400,41 @@ class Inference:
             self._kv_keys[memo] = key
         return key
 
-    def parallel_for(self, ctx: ModelContext, num_ctx: int, num_batch: int, kv_type: str = "f16") -> int:
+    def parallel_for(
+        self, ctx: ModelContext, num_ctx: int, num_batch: int, kv_type: str = "f16", *, draft: Draft | None = None
+    ) -> int:
         """``CORRAL_NUM_PARALLEL`` when set; else the most sequence slots (at most 4) whose KV cache, at this
-        num_ctx each, fits the memory budgets, counting what the GPU takes off the RAM."""
+        num_ctx each, fits the memory budgets, counting what the GPU takes off the RAM (and the draft model's
+        weights and KV cache, when there is one)."""
         if self.settings.num_parallel > 0:
             return self.settings.num_parallel
         for parallel in (4, 3, 2):
             layers = self.choose_gpu_layers(ctx, num_ctx, num_batch, parallel, kv_type)
             est = self._estimate(ctx, num_ctx, num_batch, parallel, layers, kv_type)
-            ram = est.ram + (est.vram if self.shared_memory else 0)
-            if (self.ram_budget <= 0 or ram <= self.ram_budget) and est.vram <= max(self.vram_budget, 0):
+            _, ram, vram = self._with_draft(draft, est, num_ctx, num_batch, parallel, kv_type, cpu_only=layers == 0)
+            ram += vram if self.shared_memory else 0
+            if (self.ram_budget <= 0 or ram <= self.ram_budget) and vram <= max(self.vram_budget, 0):
                 return parallel
         return 1
 
     def prompt_cache_for(
-        self, ctx: ModelContext, num_ctx: int, num_batch: int, num_parallel: int, num_gpu: int, kv_type: str = "f16"
+        self,
+        ctx: ModelContext,
+        num_ctx: int,
+        num_batch: int,
+        num_parallel: int,
+        num_gpu: int,
+        kv_type: str = "f16",
+        *,
+        draft: Draft | None = None,
     ) -> int:
         """Host RAM for the sequences a runner saves when it reuses a slot: as much as the slots' KV cache, when
-        the model and that much more fit the RAM budget together (else none: the model itself comes first)."""
+        the model (with its draft model) and that much more fit the RAM budget together (else none: the model
+        itself comes first)."""
         est = self._estimate(ctx, num_ctx, num_batch, num_parallel, num_gpu, kv_type)
         want = est.kv_per_layer * len(est.weights_per_layer)
-        if self.ram_budget > 0 and est.ram + (est.vram if self.shared_memory else 0) + want > self.ram_budget:
+        _, ram, vram = self._with_draft(draft, est, num_ctx, num_batch, num_parallel, kv_type, cpu_only=num_gpu == 0)
+        if self.ram_budget > 0 and ram + (vram if self.shared_memory else 0) + want > self.ram_budget:
             return 0
         return want
 
@@ -442,7 +544,10 @@ class Inference:
         )
 
     async def acquire(self, ctx: ModelContext, spec: LoadSpec, keep_alive: float | None) -> Lease:
-        return await self.scheduler.acquire(ctx.ref, spec, keep_alive)
+        ref = ctx.ref
+        if spec.draft_path:  # /api/ps names the draft model with the model
+            ref = dataclasses.replace(ref, draft=self.draft_name(spec.draft_path))
+        return await self.scheduler.acquire(ref, spec, keep_alive)
 
 
 def _projector_of(ctx: ModelContext) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from daemon.models.catalog import Catalog, check_requires, normalise_requires
+from daemon.models.draft import check_vocabulary, draft_option, find_draft
 from daemon.runners.quantize import QUANTIZABLE_SOURCES, SOURCE_ERROR, QuantizeFailed, parse_quant_type, run_worker
 from errors import InvalidDigest, InvalidGGUF, InvalidRequest, ModelNotFound, NotSupported
 from modelfile.params import validate_options
@@ -194,6 +195,7 @@ class Creator:
         if req.parameters:
             params.update(validate_options(dict(req.parameters)))
         layers = [layer for layer in layers if layer.media_type != MEDIA_PARAMS]
+        self._check_draft(raw_name, params, layers)
         if params:
             new_blobs.append((MEDIA_PARAMS, json.dumps(params, separators=(",", ":")).encode()))
 
@@ -207,6 +209,16 @@ class Creator:
             doc = [{"role": m.role, "content": m.content} for m in req.messages]
             new_blobs.append((MEDIA_MESSAGES, json.dumps(doc, separators=(",", ":")).encode()))
         return name, layers, new_blobs, config, quant
+
+    def _check_draft(self, raw_name: str, params: Mapping[str, Any], layers: list[Layer]) -> None:
+        """PARAMETER draft_model (issue 28): the name must be a model in the store that can draft for this one (a
+        runnable GGUF sharing its vocabulary); a 400 naming both otherwise. An empty name (no draft) is fine."""
+        raw = draft_option(dict(params))
+        if not raw:
+            return
+        draft = find_draft(self.catalog, raw, model=raw_name)
+        model = next(layer for layer in layers if layer.media_type == MEDIA_MODEL)
+        check_vocabulary(raw_name, str(self.store.blob_path(model.digest)), draft, raw=raw)
 
     def _quantize_plan(self, requested: str, base: list[Layer]) -> QuantizePlan | None:
         """Ollama's checks, before anything is written: a known type (400 listing them), an F16/BF16/F32 source

@@ -245,3 +245,37 @@ def choose_gpu_layers(
         else:
             hi = mid - 1
     return lo
+
+
+_DRAFT_HEADERS: dict[str, GGUFInfo] = {}
+
+
+def draft_header(path: str) -> GGUFInfo:
+    """The GGUF header of a draft model's blob (speculative decoding, issue 28), read bounded and without the token
+    list (per-layer arrays are all an estimate reads); cached per path (blobs never change)."""
+    hit = _DRAFT_HEADERS.get(path)
+    if hit is None:
+        from registry.gguf import read_gguf_file
+
+        hit = read_gguf_file(path, max_array_keep=MAX_LAYERS)
+        if len(_DRAFT_HEADERS) >= 16:
+            _DRAFT_HEADERS.clear()
+        _DRAFT_HEADERS[path] = hit
+    return hit
+
+
+def draft_memory(
+    info: GGUFInfo, *, num_ctx: int, num_parallel: int, num_batch: int, n_gpu_layers: int, kv_type: str = "f16"
+) -> tuple[int, int]:
+    """(ram, vram) of a draft model loaded beside its target: its weights, and its own KV cache for the same
+    ``num_ctx * num_parallel`` cells (its layer count and KV shape) and compute buffer, split by its own
+    ``n_gpu_layers`` (counted as the target's ``num_gpu``)."""
+    est = estimate(
+        info,
+        num_ctx=num_ctx,
+        num_parallel=num_parallel,
+        num_batch=num_batch,
+        n_gpu_layers=max(0, n_gpu_layers),
+        kv_type=kv_type,
+    )
+    return est.ram, est.vram

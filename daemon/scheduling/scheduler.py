@@ -66,6 +66,7 @@ class ModelRef:
     name: str  # short display name
     digest: str = ""
     details: dict[str, Any] = field(default_factory=dict)
+    draft: str = ""  # the draft model's name (speculative decoding, LoadSpec.draft_path), "" for none
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -75,6 +76,8 @@ async def ps(request: Request) -> dict[str, Any]:
                 "flash_attention": e.spec.flash_attn,  # corral: as loaded
                 "num_parallel": e.spec.num_parallel,  # corral: sequence slots batched together in this runner
                 "names": sorted(e.names, key=lambda n: -e.names[n]),  # corral: every name this runner serves
+                # corral: the draft model loaded beside it (speculative decoding; its memory is in size/size_vram)
+                **({"draft_model": e.ref.draft or Path(e.spec.draft_path).name} if e.spec.draft_path else {}),
                 **({"fallback": e.fallback} if e.fallback else {}),  # corral: the safer configuration in force, and why
                 **({"slots": slots} if slots is not None else {}),  # corral: busy, and cached tokens for reuse
                 **({"kv_disk": kv_disk} if kv_disk is not None else {}),  # corral: the prompt cache on disk
