@@ -228,10 +228,13 @@ def openai_error(exc: BaseException) -> JSONResponse:
         status, "api_error"
     )
     code = "model_not_found" if status == 404 and "model" in str(exc) else None
+    param = getattr(exc, "param", None)
+    if param is None and status == 400 and str(exc).startswith("draft model "):
+        param = "draft_model"  # the draft model could not be used (not found, another vocabulary...)
     if status >= 500:
         log.error("request failed status=%d error=%s", status, exc)
     return JSONResponse(
-        {"error": {"message": str(exc), "type": kind, "param": getattr(exc, "param", None), "code": code}},
+        {"error": {"message": str(exc), "type": kind, "param": param, "code": code}},
         status_code=status,
         headers=error_headers(exc, status),
     )

@@ -4,17 +4,19 @@ naming the field for a bad value), and where the runner's ``draft_n``/``draft_n_
 of /api/generate and /api/chat, /v1 ``usage`` (chat, completions, responses), ``/metrics``, the request log line
 and ``corral run --verbose``.
 
-The first part runs the real HTTP server, middleware, scheduler, store and routes in process with a fake runner whose
-Done carries the draft counts a test sets (the runner's own drafting is tested in tests/runners/test_speculative.py);
-the last part runs a real daemon on SmolLM2 with prompt lookup."""
+The real HTTP server, middleware, scheduler, store and routes run in process with a fake runner whose Done carries
+the draft counts a test sets (the runner's own drafting is tested in tests/runners/test_speculative.py)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import uvicorn
 
@@ -30,6 +33,7 @@ from daemon.api.app import create_app
 from daemon.api.compat import BadParam, speculative_options
 from daemon.runners.base import Done, Event, GenerateRequest, MemoryUse, Token
 from daemon.settings import Settings
+from tests.conftest import REPO
 from tests.fakes import FakeRunner
 from tests.models import write_tiny_gguf
 
@@ -94,7 +98,7 @@ def _create(c: httpx.Client, name: str, gguf: Path, parameters: dict[str, Any] |
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """An in-process daemon whose runners are :class:`DraftingRunner`, with the tiny GGUF as "tiny" (no draft
-    options) and as "ngram" (``PARAMETER draft_ngram 3``)."""
+    options), as "ngram" (``PARAMETER draft_ngram 3``) and as "draft" (to draft for "tiny")."""
     tmp = tmp_path_factory.mktemp("spec")
     app = create_app(
         Settings(models=tmp / "models"),
@@ -120,6 +124,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         with httpx.Client(base_url=url, timeout=60) as c:
             _create(c, "tiny", gguf)
             _create(c, "ngram", gguf, {"draft_ngram": 3})
+            _create(c, "draft", gguf)  # a draft model for "tiny": the same vocabulary
         yield Served(url, handler)
     finally:
         server.should_exit = True
@@ -217,6 +222,19 @@ def test_chat_completions_usage_has_the_draft_counts(served: Served, drafts: Non
     )
     assert (streamed[-1]["usage"]["draft_n"], streamed[-1]["usage"]["draft_n_accepted"]) == (10, 6)
     assert all("usage" not in chunk for chunk in streamed[:-1])
+
+
+def test_openai_sdk_reads_the_draft_counts(served: Served, drafts: None) -> None:
+    """The official SDK keeps the extra usage fields (and sends llama-server's and LM Studio's fields through
+    ``extra_body``)."""
+    DraftingRunner.drafts = (9, 4)
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="corral", max_retries=0)
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        extra_body={"options": NGRAM, "speculative.n_max": 4},
+    )
+    assert reply.usage is not None and reply.usage.model_extra == {"draft_n": 9, "draft_n_accepted": 4}
 
 
 def test_completions_usage_sums_the_draft_counts_of_every_choice(served: Served, drafts: None) -> None:
@@ -327,6 +345,23 @@ def test_v1_speculative_fields_are_the_request_options(served: Served, drafts: N
     assert "draft_n" in served.post(path, over).json()["usage"]
 
 
+@pytest.mark.parametrize("path", list(V1_BODIES))
+def test_v1_draft_model_loads_the_draft_beside_the_model(served: Served, drafts: None, path: str) -> None:
+    """LM Studio's top-level ``draft_model`` names the draft for this request: the runner is loaded with it (its
+    blob in the load spec), and usage reports the counts; a draft that is not in the store is a 400 naming the
+    field."""
+    DraftingRunner.drafts = (6, 5)
+    r = served.post(path, {**V1_BODIES[path], "draft_model": "draft"})
+    assert r.status_code == 200, r.text
+    assert (r.json()["usage"]["draft_n"], r.json()["usage"]["draft_n_accepted"]) == (6, 5)
+    spec = DraftingRunner.instances[-1].spec
+    assert spec.draft_path and Path(spec.draft_path).is_file()
+    r = served.post(path, {**V1_BODIES[path], "draft_model": "no-such-draft"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "draft_model" and "no-such-draft" in error["message"], error
+
+
 def test_bad_draft_options_are_a_400_naming_the_option(served: Served, drafts: None) -> None:
     r = served.post("/api/generate", {"model": "tiny", "prompt": "hi", "stream": False, "options": {"draft_max": -1}})
     assert r.status_code == 400 and "draft_max" in r.json()["error"]
@@ -346,3 +381,30 @@ def test_verbose_stats_show_drafted_and_accepted() -> None:
         stats_lines({**final, "draft_n": 0, "draft_n_accepted": 0})[-1]
         == "draft tokens:         0 token(s) (0 accepted)"
     )
+
+
+def test_corral_run_verbose_prints_the_draft_line(served: Served, drafts: None) -> None:
+    """`corral run --verbose` on a model whose Modelfile turns prompt lookup on prints drafted and accepted tokens
+    beside the eval stats; on one without, no such line."""
+    DraftingRunner.drafts = (120, 96)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CORRAL_", "OLLAMA_"))}
+    env.update(CORRAL_HOST=served.url.removeprefix("http://"), PYTHONPATH=str(REPO))
+
+    def run(model: str) -> str:
+        r = subprocess.run(
+            [sys.executable, "-m", "cli", "run", model, "--verbose", "hi"],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == "Hello world"
+        return r.stderr
+
+    err = run("ngram")
+    assert "draft tokens:         120 token(s) (96 accepted, 80%)" in err
+    assert err.index("eval count:") < err.index("draft tokens:")
+    DraftingRunner.drafts = (0, 0)
+    assert "draft tokens" not in run("tiny")
