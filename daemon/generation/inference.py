@@ -541,6 +541,11 @@ class Inference:
             grammar=grammar,
             json_schema=schema,
             logit_bias=logit_bias,
+            # speculative decoding (issue 28): llama-server's --draft-max/--draft-min/--draft-p-min, prompt lookup
+            draft_max=int(opts.get("draft_max", DEFAULT_OPTIONS["draft_max"])),
+            draft_min=int(opts.get("draft_min", DEFAULT_OPTIONS["draft_min"])),
+            draft_p_min=float(opts.get("draft_p_min", DEFAULT_OPTIONS["draft_p_min"])),
+            draft_ngram=int(opts.get("draft_ngram", DEFAULT_OPTIONS["draft_ngram"])),
         )
 
     async def acquire(self, ctx: ModelContext, spec: LoadSpec, keep_alive: float | None) -> Lease:

@@ -102,11 +102,15 @@ def safer(spec: LoadSpec) -> tuple[LoadSpec, str] | None:
     """The next safer configuration after ``spec`` crashed, and what changed; None when there is none."""
     if spec.extra_bufts:
         return dataclasses.replace(spec, extra_bufts=False), "llama.cpp's extra buffer types off"
+    # a draft model (speculative decoding) loaded beside the model steps down with it: half of its layers, none
+    draft = spec.draft_num_gpu // 2 if spec.draft_num_gpu > 1 else 0
     if spec.num_gpu > 1:
         layers = spec.num_gpu // 2
-        return dataclasses.replace(spec, num_gpu=layers), f"{layers} GPU layers instead of {spec.num_gpu}"
-    if spec.num_gpu != 0:
-        return dataclasses.replace(spec, num_gpu=0, tensor_split=()), "no GPU layers"
+        return dataclasses.replace(spec, num_gpu=layers, draft_num_gpu=draft), (
+            f"{layers} GPU layers instead of {spec.num_gpu}"
+        )
+    if spec.num_gpu != 0 or spec.draft_num_gpu != 0:
+        return dataclasses.replace(spec, num_gpu=0, tensor_split=(), draft_num_gpu=0), "no GPU layers"
     return None
 
 
@@ -141,6 +145,8 @@ class _Overrides:
             out = dataclasses.replace(
                 out, num_gpu=self.max_gpu_layers, tensor_split=out.tensor_split if self.max_gpu_layers else ()
             )
+        if self.max_gpu_layers == 0 and out.draft_num_gpu:  # the model runs on the CPU only: its draft too
+            out = dataclasses.replace(out, draft_num_gpu=0)
         return out
 
 

@@ -59,6 +59,36 @@ def test_vocab_of_reads_the_token_list_and_llama_cpps_defaults(tmp_path: Path) -
     assert "vocabularies differ at token" in str(mismatch(v, vocab_of(str(other))))
 
 
+# -- the options to the runner, and the crash fallbacks ------------------------------------------------------------
+def test_sample_params_carry_the_draft_options() -> None:
+    from daemon.generation.inference import Inference
+    from modelfile.params import DEFAULT_OPTIONS
+
+    merged = {**DEFAULT_OPTIONS, "num_ctx": 512, "draft_max": 8, "draft_min": 2, "draft_p_min": 0.5, "draft_ngram": 3}
+    p = Inference.sample_params(merged)
+    assert (p.draft_max, p.draft_min, p.draft_p_min, p.draft_ngram) == (8, 2, 0.5, 3)
+    p = Inference.sample_params({**DEFAULT_OPTIONS, "num_ctx": 512})
+    assert (p.draft_max, p.draft_min, p.draft_p_min, p.draft_ngram) == (16, 0, 0.75, 0)  # llama-server's defaults
+
+
+def test_a_crash_steps_the_draft_down_with_the_model() -> None:
+    from daemon.runners.base import LoadSpec
+    from daemon.scheduling.fallback import _Overrides, safer
+
+    spec = LoadSpec(model_path="m", num_gpu=31, draft_num_gpu=31, extra_bufts=False)
+    steps = []
+    while (step := safer(spec)) is not None:
+        spec = step[0]
+        steps.append((spec.num_gpu, spec.draft_num_gpu))
+    assert steps == [(15, 15), (7, 7), (3, 3), (1, 1), (0, 0)]
+    # the model on the CPU already, its draft on the GPU: the draft comes off too
+    step = safer(LoadSpec(model_path="m", num_gpu=0, draft_num_gpu=31, extra_bufts=False))
+    assert step is not None and (step[0].num_gpu, step[0].draft_num_gpu, step[1]) == (0, 0, "no GPU layers")
+    # a model remembered to run on the CPU only runs its draft there too
+    remembered = _Overrides(max_gpu_layers=0).apply(LoadSpec(model_path="m", num_gpu=-1, draft_num_gpu=31))
+    assert (remembered.num_gpu, remembered.draft_num_gpu) == (0, 0)
+
+
 # -- a daemon with SmolLM2, a draft of it, and a tiny model of another vocabulary -----------------------------------
 @dataclass
 class Models:
