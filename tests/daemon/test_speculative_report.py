@@ -346,6 +346,15 @@ def test_v1_speculative_fields_are_the_request_options(served: Served, drafts: N
 
 
 @pytest.mark.parametrize("path", list(V1_BODIES))
+def test_v1_speculative_fields_reach_the_runner(served: Served, drafts: None, path: str) -> None:
+    fields = {"speculative.n_max": 5, "speculative.n_min": 2, "speculative.p_min": 0.25}
+    r = served.post(path, {**V1_BODIES[path], "options": NGRAM, **fields})
+    assert r.status_code == 200, r.text
+    params = DraftingRunner.requests[-1].params
+    assert (params.draft_max, params.draft_min, params.draft_p_min, params.draft_ngram) == (5, 2, 0.25, 3)
+
+
+@pytest.mark.parametrize("path", list(V1_BODIES))
 def test_v1_draft_model_loads_the_draft_beside_the_model(served: Served, drafts: None, path: str) -> None:
     """LM Studio's top-level ``draft_model`` names the draft for this request: the runner is loaded with it (its
     blob in the load spec), and usage reports the counts; a draft that is not in the store is a 400 naming the
