@@ -202,6 +202,27 @@ def test_a_request_draft_is_checked_before_a_runner_starts(models: Models) -> No
 
 @needs_smol
 @pytest.mark.real_model
+def test_a_draft_removed_or_replaced_after_create_is_checked_at_load(models: Models, tmp_path: Path) -> None:
+    d = models.d
+    _create(d, "later-draft", f"FROM {models.draft_file}\n", tmp_path)
+    _create(d, "smol-later", "FROM smol\nPARAMETER draft_model later-draft\n", tmp_path)
+    r = _generate(d, "smol-later", num_predict=1)  # run once: the daemon remembers the draft and its verdict
+    assert r.status_code == 200, r.text
+    # replaced by a model of another vocabulary
+    _create(d, "later-draft", f"FROM {write_tiny_gguf(tmp_path / 'other.gguf', seed=3)}\n", tmp_path)
+    r = _generate(d, "smol-later")
+    assert r.status_code == 400, r.text
+    assert "draft model 'later-draft' cannot draft for 'smol-later'" in r.json()["error"], r.text
+    # removed
+    assert httpx.request("DELETE", d.url + "/api/delete", json={"model": "later-draft"}, timeout=30).status_code == 200
+    r = _generate(d, "smol-later")
+    assert r.status_code == 400 and "draft model 'later-draft' not found" in r.json()["error"], r.text
+    # the model runs without it when the request says so
+    assert _generate(d, "smol-later", draft_model="", num_predict=2).status_code == 200
+
+
+@needs_smol
+@pytest.mark.real_model
 def test_ps_lists_the_draft_with_the_model(models: Models) -> None:
     d = models.d
     plain = _generate(d, "smol")
