@@ -46,13 +46,17 @@ class QueueFull(SchedulerError):
 class InsufficientMemory(SchedulerError):
     status = 500
 
-    def __init__(self, name: str, need: MemoryUse, budget: Budget) -> None:
+    def __init__(self, name: str, need: MemoryUse, budget: Budget, *, draft: str = "") -> None:
         which = "RAM" if need.ram > budget.ram else "VRAM"
         needed, have = (need.ram, budget.ram) if which == "RAM" else (need.vram, budget.vram)
         var = "CORRAL_RAM_BUDGET" if which == "RAM" else "CORRAL_VRAM_BUDGET"
+        # a draft model (speculative decoding) is counted with the model: running without it is one way out
+        with_draft = f" with its draft model '{draft}'" if draft else ""
+        without = 'run it without its draft model (options.draft_model ""), ' if draft else ""
         super().__init__(
-            f"model '{name}' needs {needed} bytes ({needed / 2**30:.2f} GiB) of {which} but the {which} budget is "
-            f"{have} bytes ({have / 2**30:.2f} GiB); lower num_ctx, use a smaller model, or raise {var}"
+            f"model '{name}'{with_draft} needs {needed} bytes ({needed / 2**30:.2f} GiB) of {which} but the {which} "
+            f"budget is {have} bytes ({have / 2**30:.2f} GiB); lower num_ctx, use a smaller model, {without}"
+            f"or raise {var}"
         )
         self.need = need
         self.budget = budget
@@ -395,7 +399,7 @@ class Scheduler:
             budget = self._budget()
             decision = decide(self._views(), need, budget)
             if decision.action == "never":
-                p.future.set_exception(InsufficientMemory(p.ref.name, need, budget))
+                p.future.set_exception(InsufficientMemory(p.ref.name, need, budget, draft=p.ref.draft))
                 return
             if decision.action == "evict":
                 for key in decision.victims:

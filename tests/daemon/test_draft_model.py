@@ -245,6 +245,28 @@ def test_ps_lists_the_draft_with_the_model(models: Models) -> None:
     assert len(ps) == 1 and "draft_model" not in ps[0], ps
 
 
+@needs_smol
+@pytest.mark.real_model
+def test_the_scheduler_refuses_a_model_whose_draft_does_not_fit(tmp_path: Path) -> None:
+    assert SMOL is not None
+    # a RAM budget that holds SmolLM2 (about 250 MB estimated at num_ctx 1024) but not a second copy beside it
+    d = start_daemon(
+        tmp_path / "models", tmp_path / "daemon.log", {"CORRAL_NUM_PARALLEL": "1", "CORRAL_RAM_BUDGET": "380MB"}
+    )
+    try:
+        _create(d, "smol", f"FROM {SMOL}\nPARAMETER num_ctx 1024\n", tmp_path)
+        _create(d, "smol-draft", f"FROM {_twin(SMOL, tmp_path / 'draft.gguf')}\n", tmp_path)
+        r = _generate(d, "smol", draft_model="smol-draft", num_predict=2)
+        assert r.status_code == 500, r.text
+        error = r.json()["error"]
+        assert "model 'smol:latest' with its draft model 'smol-draft:latest' needs" in error, error
+        assert 'run it without its draft model (options.draft_model "")' in error, error
+        assert httpx.get(d.url + "/api/ps", timeout=30).json()["models"] == []
+        assert _generate(d, "smol", num_predict=2).status_code == 200  # alone, it fits
+    finally:
+        stop_daemon(d)
+
+
 # -- the load spec and the memory estimate -----------------------------------------------------------------------------
 def _inference(d: Daemon, parallel: int = 0, **kw: Any) -> Any:
     from daemon.generation.inference import Inference
