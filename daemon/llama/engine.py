@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from daemon.llama.sampling import SeqSampler, bias_arrays, logprobs, sample_rows
+from daemon.llama.speculative import DraftModel, SpecState
 from daemon.runners.protocol import (
     Done,
     DoneReply,
@@ -81,6 +82,14 @@ SAVE_MIN_TOKENS = 64  # a slot's tail shorter than this is cheaper to evaluate a
 # Restoring a saved sequence, or copying another slot's (llama.cpp copies a whole KV stream, ~8 ms per 2,048 cells
 # on 2 CPU cores whatever the prefix), is done only when it spares evaluating at least this many tokens
 MIN_GAIN = 16
+# A sequence saved in host RAM is restored when it spares evaluating at least max(RESTORE_MIN_GAIN, its length //
+# RESTORE_RATIO) tokens beyond what the slot or a donor gives: the restore copies all of it (~1 ms for 3 MB, 130
+# tokens of SmolLM2, on 2 CPU cores), an evaluated prompt token costs a pass's share (~3 ms each for sixteen
+# 12-token chat prompts at once). The ratio keeps a 16k-token restore (2 GB for an 8B model, host to GPU) for
+# gains that pay for it; MIN_GAIN alone made sixteen chats after sixteen other requests evaluate their last 11
+# tokens each after copying the shared system prompt from a donor (420-670 ms to the first token against 99 ms).
+RESTORE_MIN_GAIN = 2
+RESTORE_RATIO = 32
 # Image positions evaluated per engine iteration while other sequences decode (where the image can be split: causal
 # attention, one position per embedding): they wait one slice for their next token (~50 ms for SmolLM2 on 2 CPU
 # cores) instead of the whole image
@@ -102,6 +111,11 @@ COMPACT_MIN_LEFT = 16
 # cores (~100 tokens/s) the daemon's CPU per token went from 0.31-0.37 ms (20 ms, a line per token) to 0.16 ms, the
 # client's from 0.21 to 0.10 ms (docs/benchmarks.md, issue 19).
 STREAM_INTERVAL = 0.05
+# Speculative decoding drafts only while at most this many sequences decode at once (when llama.cpp computes on the
+# CPU; on a GPU, SPEC_MAX_STREAMS_GPU): a step over many sequences is no longer bound by reading the weights, so
+# verifying drafts there costs about what it saves (docs/benchmarks.md, "Speculative decoding")
+SPEC_MAX_STREAMS = 4
+SPEC_MAX_STREAMS_GPU = 16
 
 
 @dataclass
@@ -181,6 +195,7 @@ class Seq:
     # the raw logits of its first token, kept for followers with the same whole prompt (``_start_twin``)
     first_row: np.ndarray | None = None
     lookup: Any = None  # a kvdisk.Lookup: its prompt's stored prefix, being read from disk
+    spec: SpecState | None = None  # speculative decoding (a draft model or prompt lookup), when the request has it
 
 
 class Engine:
@@ -200,6 +215,8 @@ class Engine:
         eval_media: Callable[[Any, int, int, int, int, bool, int], int] | None = None,
         first_token_pause: float = 0.0,
         stream_interval: float = 0.0,
+        draft: DraftModel | None = None,
+        spec_max_streams: int = SPEC_MAX_STREAMS,
     ) -> None:
         self.lc, self.ctx, self.vocab = lc, ctx, vocab
         # (media prompt, segment index, positions of it already evaluated, n_past, seq_id, the prompt ends with it, at
@@ -207,6 +224,8 @@ class Engine:
         # None: no projector
         self._eval_media = eval_media
         self._before_first_decode = before_first_decode
+        self.draft = draft  # the draft model beside the target (speculative.py), or None
+        self.spec_max_streams = spec_max_streams
         self.cache_bytes = max(0, cache_bytes)
         self.saved: list[Saved] = []  # oldest first
         self.spare: list[np.ndarray] = []  # buffers of entries that left, written once already: fast to reuse
@@ -296,6 +315,14 @@ class Engine:
         if media is not None:
             seq.media, seq.media_base = media, len(prompt) - media.n_pos
         seq.grammar = self._grammar(params)
+        spec = SpecState(
+            draft_max=max(0, params.draft_max),
+            draft_min=max(0, params.draft_min),
+            p_min=params.draft_p_min,
+            ngram=max(0, params.draft_ngram),
+            use_model=self.draft is not None and media is None,  # a draft model never sees the images
+        )
+        seq.spec = spec if spec.active else None
         if len(prompt) < given:  # said now, so that the daemon hears of the cut before any of the request's tokens
             self._emit_many([TruncatedReply(rid, Truncated(given, len(prompt), num_keep, self.n_ctx_slot))])
         disk = self.disk
@@ -705,8 +732,11 @@ class Engine:
             seq.leader, seq.lead_to = leader, lead_to
             seq.pending, seq.rest = [], []
             return
-        if len(best.tokens) - reuse >= SAVE_MIN_TOKENS:
-            self._save(best)  # what it holds beyond the shared prefix is about to be overwritten
+        if len(best.tokens) - reuse >= SAVE_MIN_TOKENS and reuse < n - 1:
+            # what it holds beyond the shared prefix is about to be overwritten; not when that is the answer to
+            # this same prompt (asked again: a regenerated answer replaces it, and a greedy one is the same again),
+            # which cost sixteen repeated chats ~48 ms of copies before their first tokens
+            self._save(best)
         restored = 0  # the prefix restored from disk or host RAM
         if disk_len >= max(reuse, donor_len, hit_len) + MIN_GAIN:
             if self._restore_disk(seq, best, disk_len):
@@ -717,7 +747,11 @@ class Engine:
         if seq.lookup is not None:
             seq.lookup.drop()
             seq.lookup = None
-        if not restored and hit is not None and hit_len >= max(reuse, donor_len) + MIN_GAIN:
+        if (
+            not restored
+            and hit is not None
+            and hit_len - max(reuse, donor_len) >= max(RESTORE_MIN_GAIN, hit_len // RESTORE_RATIO)
+        ):
             if self._restore(hit, best):
                 restored = hit_len
             else:  # the slot was emptied: nothing of it to reuse
@@ -1024,7 +1058,9 @@ class Engine:
                 continue
             plan[slot.seq_id] = [seq.next_token]
             seq.next_token = None
-        budget = min(self.n_batch - len(plan), self.chunk)
+        if plan:
+            self._draft(plan)
+        budget = min(self.n_batch - sum(len(t) for t in plan.values()), self.chunk)
         if prefilling and budget > 0:
             for seq in sorted(prefilling, key=lambda q: q.started):
                 if budget <= 0:
@@ -1041,7 +1077,8 @@ class Engine:
         poss: list[int] = []
         sids: list[int] = []
         rows: list[int] = []  # batch indices that want logits
-        outputs: list[Seq] = []  # the sequences that get a logits row, in batch order
+        outputs: list[Seq] = []  # the sequences that get logits rows, in batch order
+        drafting = False  # some sequence verifies a draft: a row per position it put in
         for slot in self.slots:
             seq = slot.seq
             if seq is None:
@@ -1054,7 +1091,11 @@ class Engine:
             poss += range(at, at + k)
             sids += [slot.seq_id] * k
             slot.tokens += take
-            if not seq.pending and not seq.rest:  # an image still to come: no logits yet
+            if seq.spec is not None and seq.spec.pending:
+                rows += range(len(toks) - k, len(toks))
+                outputs.append(seq)
+                drafting = True
+            elif not seq.pending and not seq.rest:  # an image still to come: no logits yet
                 rows.append(len(toks) - 1)
                 outputs.append(seq)
         n = len(toks)
@@ -1073,6 +1114,9 @@ class Engine:
         if rc != 0:
             raise EngineError(f"llama_decode failed ({rc}): the context is full or the batch is too large", 500)
         now = time.perf_counter_ns()
+        if drafting:
+            self._verify(outputs, self._logits(len(rows)), now)
+            return
         # a view of llama.cpp's logits, not a copy: they are read (and penalised in place) before the next decode
         logits = self._logits(len(outputs))
         for i, q in enumerate(outputs):
@@ -1103,6 +1147,93 @@ class Engine:
             if seq.first_at == 0:
                 seq.first_at, self._first_token = now, True
             self._accept(seq, tok, lp_rows.get(i))
+
+    # -- speculative decoding (speculative.py) --------------------------------------------------------------------
+    def _draft(self, plan: dict[int, list[int]]) -> None:
+        """Add drafts to the step's plan: after each speculating sequence's next token, the tokens prompt lookup
+        (its history's last n-gram seen before) or else the draft model proposes, as many as its adaptive length,
+        its context, its token limit and the batch allow. Nothing while more sequences decode than
+        ``spec_max_streams``: there the step is no longer bound by reading the weights."""
+        if len(plan) > self.spec_max_streams:
+            return
+        room = self.n_batch - sum(len(t) for t in plan.values())
+        model_jobs: list[tuple[int, list[int], int, float]] = []
+        want: dict[int, Seq] = {}
+        for sid in plan:
+            slot = self.slots[sid]
+            seq = slot.seq
+            spec = seq.spec if seq is not None else None
+            if seq is None or spec is None:
+                continue
+            history = slot.tokens + plan[sid]  # what the KV holds, and the sampled token about to join it
+            k = min(spec.k, self.n_ctx_slot - len(history), seq.limit - len(seq.generated) - 1, room)
+            if k <= 0 or k < spec.draft_min:
+                continue
+            drafted = spec.index.draft(history, k) if spec.index is not None else []
+            if len(drafted) >= max(1, spec.draft_min):
+                spec.pending = drafted
+                room -= len(drafted)
+            elif spec.use_model:
+                model_jobs.append((sid, history, k, spec.p_min))
+                want[sid] = seq
+                room -= k
+        if model_jobs and self.draft is not None:
+            try:
+                drafts = self.draft.draft(model_jobs)
+            except Exception:  # noqa: BLE001 - the step goes on without these drafts (the streams start over)
+                drafts = {}
+            for sid, seq in want.items():
+                drafted = drafts.get(sid, [])
+                if seq.spec is not None and len(drafted) >= max(1, seq.spec.draft_min):
+                    seq.spec.pending = drafted
+        for sid in plan:
+            seq = self.slots[sid].seq
+            if seq is not None and seq.spec is not None and seq.spec.pending:
+                plan[sid] = plan[sid] + seq.spec.pending
+
+    def _verify(self, outputs: list[Seq], logits: np.ndarray, now: int) -> None:
+        """Sample a step in which some sequences verify drafts. Each such sequence has a logits row per position
+        it put in; the target samples each position itself, in order, and the drafted token that follows is kept
+        while it is what the target sampled, so the output is the target's own (greedy: token for token; sampled:
+        its distribution, each draw made as without a draft). The positions after the first disagreement leave
+        the KV cache."""
+        at = 0
+        for seq in outputs:
+            spec, slot = seq.spec, seq.slot
+            assert slot is not None
+            drafts = spec.pending if spec is not None else []
+            base = len(slot.tokens) - len(drafts) - 1  # what the slot held before this step
+            j = 0
+            while True:
+                row = logits[at + j]
+                if seq.first_at == 0:
+                    self._keep_first_row(seq, row)
+                    seq.first_at, self._first_token = now, True
+                raw = row.copy() if seq.top_logprobs is not None else None
+                tok = self._sample_one(seq, row, slot.tokens[: base + j + 1])
+                self._accept(seq, tok, raw)
+                if seq.slot is not slot or j == len(drafts) or tok != drafts[j]:
+                    break
+                j += 1
+            at += len(drafts) + 1
+            if drafts and spec is not None:
+                keep = base + j + 1
+                if keep < len(slot.tokens):
+                    self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, keep, -1)
+                    self._trim(slot, keep)
+                spec.verified(len(drafts), j)
+                spec.pending = []
+
+    def _sample_one(self, seq: Seq, row: np.ndarray, window: list[int]) -> int:
+        """One token from one row (penalised in place), under the sequence's grammar as ``_step`` applies it."""
+        if seq.grammar is None:
+            return sample_rows(row[None, :], [seq.sampler], [window])[0]
+        free = row.copy()
+        tok = sample_rows(row[None, :], [seq.sampler], [window])[0]
+        if self._allows(seq.grammar, tok):
+            return tok
+        self._constrain(free, seq.grammar)
+        return sample_rows(free[None, :], [seq.sampler], [window])[0]
 
     def _logits(self, rows: int) -> np.ndarray:
         addr = ctypes.cast(self.lc.llama_get_logits(self.ctx), ctypes.c_void_p).value
@@ -1209,6 +1340,8 @@ class Engine:
             eval_duration=max(1, ended - first),
             context=tuple([t for t in seq.prompt if t >= 0] + seq.generated),  # no image keys
             stop_sequence=seq.stop_hit,
+            draft_n=seq.spec.drafted if seq.spec is not None else 0,
+            draft_n_accepted=seq.spec.accepted if seq.spec is not None else 0,
         )
         self.emit(DoneReply(seq.rid, done))
         if seq.slot is not None and self.disk is not None:
@@ -1227,6 +1360,8 @@ class Engine:
         self.emit(ErrorReply(seq.rid, message, status))
         if seq.slot is not None:  # what the KV holds for it is no longer trusted
             self.lc.llama_memory_seq_rm(self.mem, seq.slot.seq_id, -1, -1)
+            if self.draft is not None:
+                self.draft.forget(seq.slot.seq_id)
             seq.slot.tokens, seq.slot.shifted_at, seq.slot.persisted = [], None, 0
         self._release(seq)
 

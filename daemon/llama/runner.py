@@ -149,6 +149,10 @@ class Runner:
         self.context: Any = None
         self.engine: Any = None
         self.projector: Any = None  # a vision.Projector when the model came with one (spec projector_path)
+        # speculative decoding's draft model (spec draft_path): its model, context and speculative.DraftModel
+        self.draft_model: Any = None
+        self.draft_context: Any = None
+        self.draft: Any = None
         # libmtmd's context is not thread-safe: the request thread tokenizes images, the engine thread evaluates them
         self._vision_lock = threading.Lock()
         self.log_lines: list[str] = []
@@ -220,7 +224,13 @@ class Runner:
             return
         from llama_cpp import _internals
 
-        from daemon.llama.engine import FIRST_TOKEN_PAUSE, STREAM_INTERVAL, Engine
+        from daemon.llama.engine import (
+            FIRST_TOKEN_PAUSE,
+            SPEC_MAX_STREAMS,
+            SPEC_MAX_STREAMS_GPU,
+            STREAM_INTERVAL,
+            Engine,
+        )
 
         mparams = lc.llama_model_default_params()
         self._model_params(mparams, spec)
@@ -250,6 +260,8 @@ class Runner:
             lc.llama_set_adapters_lora(
                 self.context.ctx, (lc.llama_adapter_lora_p_ctypes * 1)(adapter), 1, (ctypes.c_float * 1)(1.0)
             )
+        if spec.draft_path:
+            self._load_draft(spec, cparams)
         offloaded = self._fully_offloaded()
         self.engine = Engine(
             lc,
@@ -264,14 +276,52 @@ class Runner:
             first_token_pause=0.0 if offloaded else FIRST_TOKEN_PAUSE,
             # llama.cpp computing with a thread on every core: each frame that wakes the daemon stalls a decode
             stream_interval=STREAM_INTERVAL if not offloaded and threads >= _usable_cores() else 0.0,
+            draft=self.draft,
+            spec_max_streams=SPEC_MAX_STREAMS_GPU if offloaded else SPEC_MAX_STREAMS,
         )
         # on the engine's thread, as every decode after them (Engine.call)
         self.engine.call(lambda: self._warm_up(self.context.ctx, self.model))
+        if self.draft is not None:
+            self.engine.call(lambda: self._warm_up(self.draft_context.ctx, self.draft_model))
         if spec.projector_path:
             self.engine.call(lambda: self._load_projector(spec.projector_path, threads, flash))
             self.engine.set_media(self._eval_media)
         if spec.kv_disk_dir and spec.kv_disk_bytes > 0:
             self._open_disk_cache(spec)
+
+    def _load_draft(self, spec: LoadSpec, cparams: Any) -> None:
+        """Load the draft model for speculative decoding (daemon/llama/speculative.py) with a context shaped as the
+        target's (a KV stream per slot, the same context per slot): refused with a 400 when its vocabulary is not
+        the target's, as the daemon checks before it asks."""
+        from llama_cpp import _internals
+
+        from daemon.llama.speculative import DraftModel, vocab_mismatch
+
+        if not os.path.isfile(spec.draft_path):
+            raise RequestError(f"draft model file {spec.draft_path} does not exist", 500)
+        lc = self.lc
+        mparams = lc.llama_model_default_params()
+        self._model_params(mparams, spec)
+        mparams.n_gpu_layers = spec.draft_num_gpu
+        if spec.use_mmap is not None:
+            mparams.use_mmap = spec.use_mmap
+        self.draft_model = _internals.LlamaModel(path_model=spec.draft_path, params=mparams, verbose=False)
+        why = vocab_mismatch(lc, self.model.vocab, self.draft_model.vocab)
+        if why is not None:
+            raise RequestError(
+                f"the draft model does not share this model's vocabulary ({why}): use a draft made from the same "
+                "tokenizer (a smaller or more quantized model of the same family)",
+                400,
+            )
+        self.draft_context = _internals.LlamaContext(model=self.draft_model, params=cparams, verbose=False)
+        self.draft = DraftModel(
+            lc,
+            self.draft_context.ctx,
+            self.draft_model.vocab,
+            n_parallel=max(1, spec.num_parallel),
+            n_batch=int(cparams.n_batch),
+        )
+        self.draft.before_decode = lambda: _inject_fault("draft-decode", spec)
 
     # -- the prompt cache on disk (issue 27, daemon/llama/kvdisk.py) ------------------------------------------------
     def _open_disk_cache(self, spec: LoadSpec) -> None:
@@ -440,10 +490,13 @@ class Runner:
             with self._vision_lock:
                 self.projector.close()
             self.projector = None
-        for obj in (self.context, self.model):
+        if self.draft is not None:
+            self.draft.close()
+            self.draft = None
+        for obj in (self.draft_context, self.draft_model, self.context, self.model):
             if obj is not None and hasattr(obj, "close"):
                 obj.close()
-        self.context = self.model = None
+        self.context = self.model = self.draft_context = self.draft_model = None
 
     def _model_params(self, mparams: Any, spec: LoadSpec) -> None:
         lc = self.lc
