@@ -5,7 +5,8 @@ of /api/generate and /api/chat, /v1 ``usage`` (chat, completions, responses), ``
 and ``corral run --verbose``.
 
 The real HTTP server, middleware, scheduler, store and routes run in process with a fake runner whose Done carries
-the draft counts a test sets (the runner's own drafting is tested in tests/runners/test_speculative.py)."""
+the draft counts a test sets (the runner's own drafting is tested in tests/runners/test_speculative.py); the last
+test runs a real daemon on SmolLM2 with prompt lookup."""
 
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ from daemon.api.app import create_app
 from daemon.api.compat import BadParam, speculative_options
 from daemon.runners.base import Done, Event, GenerateRequest, MemoryUse, Token
 from daemon.settings import Settings
-from tests.conftest import REPO
+from tests.conftest import REPO, start_daemon, stop_daemon
 from tests.fakes import FakeRunner
-from tests.models import write_tiny_gguf
+from tests.models import smollm2_path, write_tiny_gguf
 
 MEMORY = MemoryUse(ram=1 << 20, vram=0)
 
@@ -417,3 +418,47 @@ def test_corral_run_verbose_prints_the_draft_line(served: Served, drafts: None) 
     assert err.index("eval count:") < err.index("draft tokens:")
     DraftingRunner.drafts = (0, 0)
     assert "draft tokens" not in run("tiny")
+
+
+# -- end to end: SmolLM2 with prompt lookup --------------------------------------------------------------------------
+SMOL = smollm2_path()
+needs_smol = pytest.mark.skipif(SMOL is None, reason="SmolLM2 is not cached (run scripts/fetch_smollm2.py)")
+# a prompt whose greedy continuation copies from itself, so that prompt lookup finds n-grams to draft from
+REPEATING = "one two three four five six seven eight. " * 6 + "one two three"
+LOOKUP = {"temperature": 0, "seed": 1, "num_predict": 48, "num_ctx": 512, "draft_ngram": 3, "draft_max": 8}
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+@needs_smol
+def test_smollm2_prompt_lookup_reports_its_drafts(tmp_path: Path) -> None:
+    assert SMOL is not None
+    d = start_daemon(tmp_path / "models", tmp_path / "daemon.log")
+    try:
+        with httpx.Client(base_url=d.url, timeout=300) as c:
+            _create(c, "smol", SMOL)
+            before = c.get("/metrics").text
+            r = c.post(
+                "/api/generate",
+                json={"model": "smol", "prompt": REPEATING, "raw": True, "stream": False, "options": LOOKUP},
+            )
+            assert r.status_code == 200, r.text
+            final = r.json()
+            assert final["draft_n"] > 0, final
+            assert 0 < final["draft_n_accepted"] <= final["draft_n"], final
+            body = {"model": "smol", "prompt": REPEATING, "raw": True, "max_tokens": 48, "temperature": 0}
+            usage = c.post("/v1/completions", json={**body, "options": LOOKUP}).json()["usage"]
+            assert usage["draft_n"] > 0 and 0 < usage["draft_n_accepted"] <= usage["draft_n"], usage
+            assert usage["completion_tokens"] == final["eval_count"]  # the same greedy answer
+            plain = c.post("/v1/completions", json=body).json()["usage"]
+            assert "draft_n" not in plain  # no speculation asked for: no draft fields
+            after = c.get("/metrics").text
+        for name, grown in (
+            ("corral_draft_tokens_total", final["draft_n"] + usage["draft_n"]),
+            ("corral_draft_accepted_tokens_total", final["draft_n_accepted"] + usage["draft_n_accepted"]),
+        ):
+            assert _counter(after, name, "smol:latest") - _counter(before, name, "smol:latest") == grown, name
+        line = [ln for ln in d.log.read_text().splitlines() if "path=/api/generate " in ln][-1]
+        assert f"draft_n={final['draft_n']} draft_n_accepted={final['draft_n_accepted']} " in line
+    finally:
+        stop_daemon(d)
