@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from daemon.llama.sampling import SeqSampler, bias_arrays, logprobs, sample_rows
-from daemon.llama.speculative import DraftModel, SpecState
+from daemon.llama.speculative import EXPLORE_EVERY, CostModel, DraftModel, SpecState
 from daemon.runners.protocol import (
     Done,
     DoneReply,
@@ -116,6 +116,11 @@ STREAM_INTERVAL = 0.05
 # verifying drafts there costs about what it saves (docs/benchmarks.md, "Speculative decoding")
 SPEC_MAX_STREAMS = 4
 SPEC_MAX_STREAMS_GPU = 16
+# Before the engine has timed steps of several sizes, an extra token in a decode step is taken to cost this share of
+# a one-token step (speculative.CostModel): measured for SmolLM2 on 2 CPU cores (~0.3); on a GPU a step of a few
+# tokens costs about what one does
+SPEC_TOKEN_COST = 0.3
+SPEC_TOKEN_COST_GPU = 0.05
 
 
 @dataclass
@@ -217,6 +222,7 @@ class Engine:
         stream_interval: float = 0.0,
         draft: DraftModel | None = None,
         spec_max_streams: int = SPEC_MAX_STREAMS,
+        spec_token_cost: float = SPEC_TOKEN_COST,
     ) -> None:
         self.lc, self.ctx, self.vocab = lc, ctx, vocab
         # (media prompt, segment index, positions of it already evaluated, n_past, seq_id, the prompt ends with it, at
@@ -226,6 +232,7 @@ class Engine:
         self._before_first_decode = before_first_decode
         self.draft = draft  # the draft model beside the target (speculative.py), or None
         self.spec_max_streams = spec_max_streams
+        self.spec_cost = CostModel(spec_token_cost)  # what decode steps and draft rounds cost here (measured)
         self.cache_bytes = max(0, cache_bytes)
         self.saved: list[Saved] = []  # oldest first
         self.spare: list[np.ndarray] = []  # buffers of entries that left, written once already: fast to reuse
@@ -1061,6 +1068,7 @@ class Engine:
         if plan:
             self._draft(plan)
         budget = min(self.n_batch - sum(len(t) for t in plan.values()), self.chunk)
+        decode_only = not alone and not (prefilling and budget > 0)  # a step the cost model learns from
         if prefilling and budget > 0:
             for seq in sorted(prefilling, key=lambda q: q.started):
                 if budget <= 0:
@@ -1110,10 +1118,13 @@ class Engine:
         if self._before_first_decode is not None:
             hook, self._before_first_decode = self._before_first_decode, None
             hook()
+        started = time.perf_counter_ns()
         rc = lc.llama_decode(self.ctx, batch)
         if rc != 0:
             raise EngineError(f"llama_decode failed ({rc}): the context is full or the batch is too large", 500)
         now = time.perf_counter_ns()
+        if decode_only:
+            self.spec_cost.observe_step(n, (now - started) / 1e9)
         if drafting:
             self._verify(outputs, self._logits(len(rows)), now)
             return
@@ -1157,6 +1168,8 @@ class Engine:
         if len(plan) > self.spec_max_streams:
             return
         room = self.n_batch - sum(len(t) for t in plan.values())
+        decoding = len(plan)
+        cost = self.spec_cost
         model_jobs: list[tuple[int, list[int], int, float]] = []
         want: dict[int, Seq] = {}
         for sid in plan:
@@ -1166,26 +1179,38 @@ class Engine:
             if seq is None or spec is None:
                 continue
             history = slot.tokens + plan[sid]  # what the KV holds, and the sampled token about to join it
-            k = min(spec.k, self.n_ctx_slot - len(history), seq.limit - len(seq.generated) - 1, room)
-            if k <= 0 or k < spec.draft_min:
+            cap = min(spec.draft_max, self.n_ctx_slot - len(history), seq.limit - len(seq.generated) - 1, room)
+            if cap <= 0 or cap < spec.draft_min:
                 continue
-            drafted = spec.index.draft(history, k) if spec.index is not None else []
-            if len(drafted) >= max(1, spec.draft_min):
-                spec.pending = drafted
-                room -= len(drafted)
-            elif spec.use_model:
-                model_jobs.append((sid, history, k, spec.p_min))
-                want[sid] = seq
-                room -= k
+            spec.idle_steps += 1
+            # every EXPLORE_EVERY steps without a draft, one as if its drafts were doing well: they may be now
+            explore = spec.idle_steps >= EXPLORE_EVERY
+            need = max(1, spec.draft_min)
+            if spec.index is not None:
+                rate = max(spec.lookup.rate, 0.75) if explore else spec.lookup.rate
+                k = cost.best_k(rate, cap, decoding, model=False)
+                drafted = spec.index.draft(history, k) if k >= need else []
+                if len(drafted) >= need:
+                    spec.pending, spec.from_model, spec.idle_steps = drafted, False, 0
+                    room -= len(drafted)
+                    continue
+            if spec.use_model:
+                rate = max(spec.model.rate, 0.75) if explore else spec.model.rate
+                k = cost.best_k(rate, cap, decoding, model=True)
+                if k >= need:
+                    model_jobs.append((sid, history, k, spec.p_min))
+                    want[sid] = seq
+                    room -= k
         if model_jobs and self.draft is not None:
             try:
                 drafts = self.draft.draft(model_jobs)
             except Exception:  # noqa: BLE001 - the step goes on without these drafts (the streams start over)
                 drafts = {}
+            cost.observe_draft(self.draft.rounds, self.draft.round_seconds)
             for sid, seq in want.items():
                 drafted = drafts.get(sid, [])
                 if seq.spec is not None and len(drafted) >= max(1, seq.spec.draft_min):
-                    seq.spec.pending = drafted
+                    seq.spec.pending, seq.spec.from_model, seq.spec.idle_steps = drafted, True, 0
         for sid in plan:
             seq = self.slots[sid].seq
             if seq is not None and seq.spec is not None and seq.spec.pending:

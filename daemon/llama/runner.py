@@ -228,6 +228,8 @@ class Runner:
             FIRST_TOKEN_PAUSE,
             SPEC_MAX_STREAMS,
             SPEC_MAX_STREAMS_GPU,
+            SPEC_TOKEN_COST,
+            SPEC_TOKEN_COST_GPU,
             STREAM_INTERVAL,
             Engine,
         )
@@ -278,6 +280,7 @@ class Runner:
             stream_interval=STREAM_INTERVAL if not offloaded and threads >= _usable_cores() else 0.0,
             draft=self.draft,
             spec_max_streams=SPEC_MAX_STREAMS_GPU if offloaded else SPEC_MAX_STREAMS,
+            spec_token_cost=SPEC_TOKEN_COST_GPU if offloaded else SPEC_TOKEN_COST,
         )
         # on the engine's thread, as every decode after them (Engine.call)
         self.engine.call(lambda: self._warm_up(self.context.ctx, self.model))

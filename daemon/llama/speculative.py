@@ -19,34 +19,61 @@ llama_cpp: the runner hands over the module and the pointers, and all of it runs
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-# A sequence's draft length starts here (at most its draft_max) and adapts to what the target accepts: two more
-# after a draft it kept whole, one less after one it cut (at least 1)
-DRAFT_START = 4
+# What a sequence's drafts are believed to be worth before any was verified: a drafted token is accepted with
+# this probability (as if 3 of 4 had been), and the belief follows what the target accepts, recent drafts weighing
+# most (ACCEPT_DECAY per verified draft)
+ACCEPT_PRIOR = (3.0, 4.0)
+ACCEPT_DECAY = 0.9
+# A sequence whose drafts are not worth their cost now drafts again, with the draft length the cost model gives
+# for a perfect acceptance, every this many steps: its acceptance may have changed (an answer that starts copying
+# its prompt)
+EXPLORE_EVERY = 16
+
+
+@dataclass
+class Acceptance:
+    """The probability that the target keeps a drafted token (given it kept the ones before), from verified drafts:
+    a draft of ``k`` of which the first ``m`` were kept is ``m`` successes and, when ``m < k``, one failure."""
+
+    kept: float = ACCEPT_PRIOR[0]
+    tried: float = ACCEPT_PRIOR[1]
+
+    @property
+    def rate(self) -> float:
+        return self.kept / self.tried
+
+    def update(self, drafted: int, accepted: int) -> None:
+        self.kept = self.kept * ACCEPT_DECAY + accepted
+        self.tried = self.tried * ACCEPT_DECAY + accepted + (1 if accepted < drafted else 0)
 
 
 @dataclass
 class SpecState:
-    """One sequence's speculation: its settings, its adaptive draft length and its counts."""
+    """One sequence's speculation: its settings, what its drafts' acceptance has been (per source), and its
+    counts."""
 
     draft_max: int
     draft_min: int
     p_min: float
     ngram: int  # prompt lookup's n-gram length (0: off)
     use_model: bool  # the runner has a draft model and the request did not turn drafting off
-    k: int = 0  # the next draft's length (adaptive)
     drafted: int = 0  # llama-server's draft_n
     accepted: int = 0  # llama-server's draft_n_accepted
     index: NgramIndex | None = None
     pending: list[int] = field(default_factory=list)  # this step's draft, being verified
+    from_model: bool = False  # ``pending`` came from the draft model (else from prompt lookup)
+    lookup: Acceptance = field(default_factory=Acceptance)
+    model: Acceptance = field(default_factory=Acceptance)
+    idle_steps: int = 0  # steps since it last drafted
 
     def __post_init__(self) -> None:
-        self.k = max(1, min(self.draft_max, DRAFT_START if self.use_model else self.draft_max))
         if self.ngram > 0:
             self.index = NgramIndex(self.ngram)
 
@@ -55,13 +82,79 @@ class SpecState:
         return self.draft_max > 0 and (self.use_model or self.ngram > 0)
 
     def verified(self, drafted: int, accepted: int) -> None:
-        """Count a verified draft and adapt the next one's length."""
+        """Count a verified draft and learn from it."""
         self.drafted += drafted
         self.accepted += accepted
-        if accepted >= drafted:
-            self.k = min(self.draft_max, self.k + 2)
-        else:
-            self.k = max(1, self.k - 1)
+        (self.model if self.from_model else self.lookup).update(drafted, accepted)
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens a step gives a sequence that verifies a draft of ``k`` (the target's own token included), each drafted
+    token kept with probability ``rate`` when the ones before it were."""
+    if rate >= 1.0:
+        return float(k + 1)
+    return (1.0 - rate ** (k + 1)) / (1.0 - rate)
+
+
+class CostModel:
+    """What a step costs, learnt from the steps themselves: a decode of ``n`` tokens (the sequences' next tokens and
+    their drafts, no prompt) takes about ``fixed + per_token * n`` seconds (a least-squares fit over recent such
+    steps), and a round of the draft model ``draft_round`` seconds. Until steps of several sizes were seen,
+    ``per_token`` is ``prior_ratio`` times a one-token step: on a CPU an extra token costs a good part of a step
+    (SmolLM2 F16 on 2 cores: 8.8 ms for one token, 21 ms for four, 32 ms for eight), on a GPU a small part.
+
+    ``best_k`` picks the draft length that gives a sequence the most tokens per second, counting that every other
+    decoding sequence waits for the longer step too; 0 when no draft beats decoding without."""
+
+    def __init__(self, prior_ratio: float) -> None:
+        self.prior_ratio = prior_ratio
+        self.decay = 0.97
+        self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.draft_round = 0.0  # seconds per round of the draft model (0: not measured yet)
+
+    def observe_step(self, n_tokens: int, seconds: float) -> None:
+        d = self.decay
+        x, y = float(n_tokens), seconds
+        self.w = self.w * d + 1.0
+        self.sx = self.sx * d + x
+        self.sy = self.sy * d + y
+        self.sxx = self.sxx * d + x * x
+        self.sxy = self.sxy * d + x * y
+
+    def observe_draft(self, rounds: int, seconds: float) -> None:
+        if rounds <= 0:
+            return
+        per = seconds / rounds
+        self.draft_round = per if self.draft_round <= 0 else 0.8 * self.draft_round + 0.2 * per
+
+    def line(self) -> tuple[float, float] | None:
+        """(fixed, per_token) seconds, or None before any step was seen."""
+        if self.w <= 0:
+            return None
+        mx, my = self.sx / self.w, self.sy / self.w
+        var = self.sxx / self.w - mx * mx
+        if var > 0.25:  # steps of different sizes: fit the line
+            per = max(0.0, (self.sxy / self.w - mx * my) / var)
+            return max(0.0, my - per * mx), per
+        per = self.prior_ratio * my / max(1.0, mx)
+        return max(0.0, my - per * mx), per
+
+    def best_k(self, rate: float, k_max: int, decoding: int, model: bool) -> int:
+        line = self.line()
+        if line is None or k_max <= 0:
+            return min(k_max, 1)  # nothing measured yet: a short draft to learn from
+        fixed, per = line
+        draft = self.draft_round if model else 0.0
+        if model and draft <= 0:
+            draft = fixed + per  # not measured yet: as dear as a step of the model
+        others = max(0, decoding - 1)
+        base = decoding / (fixed + per * decoding)
+        best, best_rate = 0, base * 1.02  # a draft must win by a little to be worth the risk
+        for k in range(1, k_max + 1):
+            got = (others + expected_tokens(rate, k)) / (fixed + per * (decoding + k) + draft * k)
+            if got > best_rate:
+                best, best_rate = k, got
+        return best
 
 
 class NgramIndex:
@@ -106,6 +199,9 @@ class DraftModel:
         self.tokens: list[list[int]] = [[] for _ in range(n_parallel)]
         self.batch = lc.llama_batch_init(n_batch, 0, 1)
         self.before_decode: Callable[[], None] | None = None  # a test's fault injection (runner.py)
+        # the last ``draft``'s drafting rounds (one token per stream) and their seconds, its catch-up left out
+        self.rounds = 0
+        self.round_seconds = 0.0
 
     def close(self) -> None:
         if self.batch is not None:
@@ -136,8 +232,14 @@ class DraftModel:
                 del held[keep:]
             feeds.append((sid, history[keep:]))
         params = {sid: (k, p_min) for sid, _, k, p_min in jobs}
+        self.rounds, self.round_seconds = 0, 0.0
         while feeds:
+            drafting = all(len(feed) == 1 for _, feed in feeds)
+            started = time.perf_counter()
             rows, feeds = self._decode(feeds)
+            if drafting:
+                self.rounds += 1
+                self.round_seconds += time.perf_counter() - started
             if not rows:
                 continue
             logits = self._logits(len(rows))

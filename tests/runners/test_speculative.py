@@ -15,7 +15,7 @@ import pytest
 
 from daemon.generation.inference import JSON_GBNF
 from daemon.llama.runner import RequestError, Runner
-from daemon.llama.speculative import NgramIndex, SpecState
+from daemon.llama.speculative import Acceptance, CostModel, NgramIndex, SpecState, expected_tokens
 from daemon.runners.protocol import LoadSpec, SampleParams
 from tests.models import smollm2_path, write_tiny_gguf
 from tests.runners.test_compute_thread import _KEEP, Chan
@@ -44,19 +44,56 @@ def test_ngram_index_never_drafts_image_keys() -> None:
     assert idx.draft([3, -7, -8, 4, 3], 4) == [4, 3]
 
 
-def test_draft_length_adapts_to_what_is_accepted() -> None:
-    spec = SpecState(draft_max=8, draft_min=0, p_min=0.75, ngram=0, use_model=True)
-    assert spec.k == 4
-    spec.verified(4, 4)
-    assert spec.k == 6
-    spec.verified(6, 6)
-    spec.verified(8, 8)
-    assert spec.k == 8  # never past draft_max
-    spec.verified(8, 2)
-    assert spec.k == 7
-    assert (spec.drafted, spec.accepted) == (26, 20)
+def test_acceptance_follows_what_the_target_keeps() -> None:
+    spec = SpecState(draft_max=8, draft_min=0, p_min=0.75, ngram=2, use_model=True)
+    assert spec.model.rate == spec.lookup.rate == 0.75
+    for _ in range(20):
+        spec.from_model = True
+        spec.verified(4, 4)
+    assert spec.model.rate > 0.95 and spec.lookup.rate == 0.75  # per source
+    for _ in range(20):
+        spec.from_model = False
+        spec.verified(4, 0)
+    assert spec.lookup.rate < 0.1
+    assert (spec.drafted, spec.accepted) == (160, 80)
+    a = Acceptance()
+    a.update(5, 2)  # two kept, then one refused
+    assert a.kept == 0.9 * 3 + 2 and a.tried == 0.9 * 4 + 3
     assert not SpecState(draft_max=0, draft_min=0, p_min=0.0, ngram=3, use_model=True).active
     assert not SpecState(draft_max=16, draft_min=0, p_min=0.0, ngram=0, use_model=False).active
+
+
+def test_the_cost_model_drafts_only_where_it_pays() -> None:
+    assert expected_tokens(0.0, 4) == 1 and expected_tokens(1.0, 4) == 5
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    cpu = CostModel(prior_ratio=0.3)
+    assert cpu.best_k(0.9, 8, 1, model=False) == 1  # nothing measured: a short draft to learn from
+    # SmolLM2 F16 on 2 CPU cores: 8.8 ms for one token, 21 for four, 32 for eight
+    for n, ms in [(1, 8.8), (4, 21.0), (8, 32.0), (1, 8.8), (2, 12.0)] * 5:
+        cpu.observe_step(n, ms / 1000)
+    fixed, per = cpu.line() or (0.0, 0.0)
+    assert 0.004 < fixed < 0.008 and 0.002 < per < 0.004
+    assert cpu.best_k(0.95, 16, 1, model=False) >= 4  # prompt lookup copying its prompt: long drafts
+    assert 1 <= cpu.best_k(0.6, 16, 1, model=False) <= 2
+    assert cpu.best_k(0.2, 16, 1, model=False) == 0  # drafts that are mostly wrong cost more than they give
+    assert cpu.best_k(0.95, 16, 4, model=False) < cpu.best_k(0.95, 16, 1, model=False)  # others wait too
+    # a draft model about as slow as the target is never worth it; a tenth of its cost is
+    cpu.observe_draft(4, 4 * 0.0075)
+    assert cpu.best_k(0.9, 16, 1, model=True) == 0
+    cheap = CostModel(prior_ratio=0.05)
+    cheap.observe_step(1, 0.020)
+    cheap.observe_draft(1, 0.002)
+    assert cheap.best_k(0.8, 16, 1, model=True) >= 3
+
+
+class Always(CostModel):
+    """A cost model that always drafts as much as allowed: the tests check what verification does with drafts."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+
+    def best_k(self, rate: float, k_max: int, decoding: int, model: bool) -> int:
+        return k_max
 
 
 # -- the engine, real llama.cpp --------------------------------------------------------------------------------------
@@ -78,6 +115,7 @@ def greedy(**kw: Any) -> SampleParams:
 def run(model: Path, jobs: list[tuple[list[int], SampleParams]], **spec: Any) -> list[dict[str, Any]]:
     """Each job's text and final message, the jobs submitted together."""
     r, chan, _ = start(model, **{"num_ctx": 1024, "num_parallel": 4, **spec})
+    r.engine.spec_cost = Always()
     try:
         rids = list(range(1, len(jobs) + 1))
         r.engine.call(lambda: None)
@@ -147,6 +185,7 @@ def test_logprobs_with_drafts_are_each_tokens_own(tiny: Path) -> None:
     finally:
         r.close()
     r, chan, _ = start(tiny, num_ctx=1024, num_parallel=2, draft_path=str(tiny))
+    r.engine.spec_cost = Always()
     try:
         r.engine.submit(1, prompt, greedy(logprobs=1))
         wait_done(chan, [1])
@@ -162,8 +201,9 @@ def test_rejected_positions_leave_the_cache_and_a_continuation_is_served_right(t
     left there would change its answer."""
     prompt = repetitive(64, 11)
     outs = {}
-    for label, kw, spec in (("plain", {}, {}), ("spec", {"draft_ngram": 1}, {"draft_path": str(tiny)})):
-        r, chan, _ = start(tiny, num_ctx=1024, num_parallel=1, **spec)
+    for label, kw, spec in (("plain", {}, {}), ("spec", {"draft_ngram": 1}, {"spec": True})):
+        r, chan, _ = start(tiny, num_ctx=1024, num_parallel=1)
+        r.engine.spec_cost = Always()
         try:
             r.engine.submit(1, prompt, greedy(**kw))
             first = wait_done(chan, [1])[1]
@@ -237,6 +277,7 @@ def test_a_failing_draft_decode_costs_only_the_drafts(tiny: Path) -> None:
     try:
         runner.load(LoadSpec(model_path=str(tiny), num_ctx=1024, num_parallel=2, draft_path=str(tiny)))
         failing.draft_ctx = runner.draft_context.ctx
+        runner.engine.spec_cost = Always()
         runner.engine.submit(1, prompt, greedy())
         done = wait_done(chan, [1])[1]
         assert done["type"] == "done"
@@ -272,3 +313,16 @@ def test_smollm2_greedy_chat_json_and_stops_are_the_same_with_a_draft_and_lookup
     assert [s["text"] for s in spec] == [p["text"] for p in plain]
     json.loads(spec[1]["text"])  # the grammar held through the drafts
     assert sum(s["draft_n_accepted"] for s in spec) > 0
+
+
+def test_a_draft_model_as_slow_as_the_target_stops_drafting(tiny: Path) -> None:
+    """The model as its own draft: every draft is kept, yet each drafted token costs a step of the draft, so the
+    measured cost model stops drafting after a few steps (and drafts once in a while to see if that changed)."""
+    r, chan, _ = start(tiny, num_ctx=1024, num_parallel=1, draft_path=str(tiny))
+    try:
+        r.engine.submit(1, repetitive(64, 4), greedy(num_predict=200))
+        done = wait_done(chan, [1])[1]
+        assert done["eval_count"] == 200
+        assert 0 < done["draft_n"] < 60, done
+    finally:
+        r.close()
