@@ -143,10 +143,10 @@ class CostModel:
         line = self.line()
         if line is None or k_max <= 0:
             return min(k_max, 1)  # nothing measured yet: a short draft to learn from
+        if model and self.draft_round <= 0:
+            return min(k_max, 2)  # the draft model not timed yet: a short draft to time it
         fixed, per = line
         draft = self.draft_round if model else 0.0
-        if model and draft <= 0:
-            draft = fixed + per  # not measured yet: as dear as a step of the model
         others = max(0, decoding - 1)
         base = decoding / (fixed + per * decoding)
         best, best_rate = 0, base * 1.02  # a draft must win by a little to be worth the risk

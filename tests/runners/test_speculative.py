@@ -77,7 +77,8 @@ def test_the_cost_model_drafts_only_where_it_pays() -> None:
     assert 1 <= cpu.best_k(0.6, 16, 1, model=False) <= 2
     assert cpu.best_k(0.2, 16, 1, model=False) == 0  # drafts that are mostly wrong cost more than they give
     assert cpu.best_k(0.95, 16, 4, model=False) < cpu.best_k(0.95, 16, 1, model=False)  # others wait too
-    # a draft model about as slow as the target is never worth it; a tenth of its cost is
+    # a draft model is timed first; about as slow as the target it is never worth it, a tenth of its cost is
+    assert cpu.best_k(0.9, 16, 1, model=True) == 2
     cpu.observe_draft(4, 4 * 0.0075)
     assert cpu.best_k(0.9, 16, 1, model=True) == 0
     cheap = CostModel(prior_ratio=0.05)
