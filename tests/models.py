@@ -124,6 +124,52 @@ def write_tiny_gguf(
     return path
 
 
+def write_lora_gguf(
+    path: Path | str,
+    base: Path | str,
+    *,
+    rank: int = 4,
+    seed: int = 0,
+    scale: float = 1.0,
+    targets: Sequence[str] = ("attn_q", "attn_v"),
+    alpha: float | None = None,
+    architecture: str | None = None,
+) -> Path:
+    """A LoRA adapter GGUF for the model file ``base`` (llama.cpp's format, as convert_lora_to_gguf writes it): for
+    each layer's ``targets`` weights of shape (out, in), random ``lora_a`` (rank x in) and ``lora_b`` (out x rank)
+    matrices, ``scale`` times a size that changes a random or real model's greedy output visibly. ``architecture``
+    overrides the base's (an adapter for another architecture)."""
+    import gguf
+
+    path = Path(path)
+    reader = gguf.GGUFReader(str(base))
+    field = reader.fields["general.architecture"]
+    arch = architecture or bytes(field.parts[field.data[0]]).decode()
+    shapes = {t.name: [int(x) for x in t.shape] for t in reader.tensors}  # ggml order: [in, out]
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", float(alpha if alpha is not None else rank))
+    layer = 0
+    while f"blk.{layer}.attn_norm.weight" in shapes:
+        for target in targets:
+            name = f"blk.{layer}.{target}.weight"
+            if name not in shapes:
+                continue
+            n_in, n_out = shapes[name][0], shapes[name][1]
+            a = (rng.standard_normal((rank, n_in)) * scale / np.sqrt(n_in)).astype(np.float32)
+            b = (rng.standard_normal((n_out, rank)) * scale).astype(np.float32)
+            w.add_tensor(f"{name}.lora_a", a)
+            w.add_tensor(f"{name}.lora_b", b)
+        layer += 1
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def _u32(v: int) -> bytes:
     return struct.pack("<I", v)
 

@@ -160,6 +160,11 @@ class GenerateRequest:
     shift: bool = True  # context shift instead of failing when the prompt is too long
     truncate: bool = True
     images: tuple[str, ...] = ()  # base64, one per media marker in the prompt, in order (daemon/chat/media.py)
+    # LoRA adapters applied to this request's sequence (issue 29): (adapter GGUF path, scale) in the model's ADAPTER
+    # order, scale 0 left out by the daemon. The runner loads each path once, the first time a request names it,
+    # and keeps it until an AdaptersOp drops it; a runner serves every model over its base weights, whatever their
+    # adapters. Empty: the base model alone.
+    adapters: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -368,6 +373,16 @@ class SlotEraseOp:
 
 
 @dataclass(frozen=True)
+class AdaptersOp:
+    """Free the LoRA adapters at these paths (a model over this base was deleted, or replaced): each is freed once
+    no sequence uses it, at once if none does. ``AdaptersReply``: the adapters loaded after that."""
+
+    op: ClassVar[str] = "adapters"
+    id: int
+    drop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class ShutdownOp:
     """End the runner now (read by the reader thread). EOF on its stdin does the same."""
 
@@ -376,11 +391,12 @@ class ShutdownOp:
 
 Op: TypeAlias = (
     "LoadOp | GenerateOp | CancelOp | EmbedOp | SlotsOp | TokenizeOp | DetokenizeOp | RerankOp | PiecesOp"
-    " | SlotSaveOp | SlotRestoreOp | SlotEraseOp | ShutdownOp"
+    " | SlotSaveOp | SlotRestoreOp | SlotEraseOp | AdaptersOp | ShutdownOp"
 )
 #: An op that asks for one reply: the ``ErrorReply`` or the reply named here.
 Call: TypeAlias = (
     "EmbedOp | SlotsOp | TokenizeOp | DetokenizeOp | RerankOp | PiecesOp | SlotSaveOp | SlotRestoreOp | SlotEraseOp"
+    " | AdaptersOp"
 )
 
 
@@ -520,6 +536,16 @@ class SlotRestoredReply:
 
 
 @dataclass(frozen=True)
+class AdaptersReply:
+    """The answer to ``AdaptersOp``: the paths of the adapters loaded now (those still in use by a sequence
+    included), in the order they were loaded."""
+
+    type: ClassVar[str] = "adapters"
+    id: int
+    loaded: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class SlotErasedReply:
     """The answer to ``SlotEraseOp``: the tokens the slot held."""
 
@@ -541,7 +567,7 @@ class BatchReply:
 Reply: TypeAlias = (
     "StageReply | LoadedReply | LoadErrorReply | TokenReply | DoneReply | TruncatedReply | ErrorReply | EmbedReply"
     " | SlotsReply | TokensReply | TextReply | RerankReply | PiecesReply | SlotSavedReply | SlotRestoredReply"
-    " | SlotErasedReply | BatchReply"
+    " | SlotErasedReply | AdaptersReply | BatchReply"
 )
 Message: TypeAlias = "Op | Reply"
 
@@ -558,6 +584,7 @@ OPS: tuple[type[Op], ...] = (
     SlotSaveOp,
     SlotRestoreOp,
     SlotEraseOp,
+    AdaptersOp,
     ShutdownOp,
 )
 REPLIES: tuple[type[Reply], ...] = (
@@ -577,6 +604,7 @@ REPLIES: tuple[type[Reply], ...] = (
     SlotSavedReply,
     SlotRestoredReply,
     SlotErasedReply,
+    AdaptersReply,
     BatchReply,
 )
 #: the reply each call op is answered with (or an ErrorReply)
@@ -590,6 +618,7 @@ ANSWERS: dict[type[Call], type[Reply]] = {
     SlotSaveOp: SlotSavedReply,
     SlotRestoreOp: SlotRestoredReply,
     SlotEraseOp: SlotErasedReply,
+    AdaptersOp: AdaptersReply,
 }
 
 
@@ -817,6 +846,13 @@ def _bias_pair(v: Any, where: str) -> tuple[int, float]:
     return _int(pair[0], where), _float(pair[1], where)
 
 
+def _adapter_pair(v: Any, where: str) -> tuple[str, float]:
+    pair = _array(v, where)
+    if len(pair) != 2:
+        raise _bad(where, "[adapter path, scale] pairs", v)
+    return _str(pair[0], where), _float(pair[1], where)
+
+
 def _piece(v: Any, where: str) -> str | list[int]:
     return v if type(v) is str else [_int(x, where) for x in _array(v, where)]
 
@@ -843,6 +879,7 @@ _SCALARS: dict[str, _Reader] = {
     "JSONObject": _object,
     "Piece": _piece,
     "tuple[int, float]": _bias_pair,
+    "tuple[str, float]": _adapter_pair,
     "Literal['stop', 'length']": _done_reason,  # as ``from __future__ import annotations`` spells it
     "Reply": _reply,
 }

@@ -46,6 +46,8 @@ EXAMPLES: list[p.Message] = [
     p.SlotSaveOp(8, 1, "chat-42.bin"),
     p.SlotRestoreOp(9, 0, "chat-42.bin"),
     p.SlotEraseOp(10, 3),
+    p.AdaptersOp(11, ("/store/blobs/sha256-aa",)),
+    p.GenerateOp(12, p.GenerateRequest("hi", PARAMS, adapters=(("/store/blobs/sha256-aa", 0.5), ("/b", 1.0)))),
     p.ShutdownOp(),
     p.StageReply("warm-up"),
     p.LoadedReply(INFO),
@@ -64,6 +66,7 @@ EXAMPLES: list[p.Message] = [
     p.SlotSavedReply(8, 1, "chat-42.bin", 120, 2_400_512, 12.5),
     p.SlotRestoredReply(9, 0, "chat-42.bin", 120, 2_400_512, 8.25),
     p.SlotErasedReply(10, 3, 77),
+    p.AdaptersReply(11, ("/store/blobs/sha256-bb",)),
     p.BatchReply((p.TokenReply(1, p.Token("a")), p.DoneReply(2, DONE))),
 ]
 
@@ -92,7 +95,7 @@ def test_frames_stay_small() -> None:
 
 
 def test_sample_params_cross_whole_and_parsed() -> None:
-    (sent,) = [m for m in EXAMPLES if isinstance(m, p.GenerateOp)]
+    sent = next(m for m in EXAMPLES if isinstance(m, p.GenerateOp))
     got = decode(p.encode(sent))
     assert isinstance(got, p.GenerateOp)
     assert got.req.params == PARAMS and got.req.params.logit_bias == ((3, -100.0), (9, 1.5))
@@ -112,6 +115,10 @@ def test_sample_params_cross_whole_and_parsed() -> None:
         (
             {"op": "generate", "id": 1, "req": {"prompt": "x", "params": {"logit_bias": [[1]]}}},
             "field 'params': field 'logit_bias' must be \\[token id, bias\\] pairs",
+        ),
+        (
+            {"op": "generate", "id": 1, "req": {"prompt": "x", "adapters": [["/a"]]}},
+            "field 'adapters' must be \\[adapter path, scale\\] pairs",
         ),
         (
             {"type": "done", "id": 1, "done_reason": "tired", "prompt_eval_count": 1, "prompt_eval_duration": 1}
