@@ -151,15 +151,20 @@ class Modelfile:
 
     @property
     def parameters(self) -> dict[str, OptionValue]:
-        """Typed parameter values: ``stop`` collects a list, other names keep the last; deprecated ones are left out."""
+        """Typed parameter values: ``stop`` and ``lora_scale`` (one per ADAPTER) collect a list, other names keep
+        the last; deprecated ones are left out."""
         out: dict[str, OptionValue] = {}
         stops: list[str] = []
+        scales: list[float] = []
         for i in self.instructions:
             if not isinstance(i, Parameter) or is_deprecated(i.name):
                 continue
             if i.name == "stop":
                 stops.append(str(i.value))
                 out["stop"] = stops
+            elif i.name == "lora_scale" and isinstance(i.value, (int, float)) and not isinstance(i.value, bool):
+                scales.append(float(i.value))
+                out["lora_scale"] = scales
             else:
                 out[i.name] = i.value
         return out

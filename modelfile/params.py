@@ -11,8 +11,23 @@ from typing import TypeAlias
 
 from modelfile.errors import ParameterError
 
-OptionValue: TypeAlias = int | float | bool | str | list[str]
+OptionValue: TypeAlias = int | float | bool | str | list[str] | list[float] | list[dict[str, float]]
 ParameterValue: TypeAlias = int | float | bool | str  # one PARAMETER line's value (stop lines are one string each)
+
+
+class Scales:
+    """The kind of ``lora_scale``: the default scale of each LoRA adapter of the model, in ADAPTER order (a
+    Modelfile gives one ``PARAMETER lora_scale`` line per adapter; the API a number or an array of numbers)."""
+
+
+class LoraList:
+    """The kind of ``lora``: llama-server's per-request adapter scales, ``[{"id": N, "scale": S}, ...]`` (ids in the
+    model's ADAPTER order). A request option only: a Modelfile sets default scales with ``lora_scale``."""
+
+
+#: The largest scale magnitude an adapter takes: llama.cpp keeps scales as 32-bit floats (llama-server accepts any
+#: JSON number; a larger one would become infinite there), so anything finite up to float32's largest is accepted.
+MAX_LORA_SCALE = 3.4028234663852886e38
 
 #: Current option names and their types; ``list`` means a list of strings (only ``stop``).
 OPTION_TYPES: dict[str, type] = {
@@ -42,6 +57,10 @@ OPTION_TYPES: dict[str, type] = {
     "draft_min": int,
     "draft_p_min": float,
     "draft_ngram": int,
+    # LoRA adapters (issue 29): the model's default scale per ADAPTER (llama-cpp-python's lora_scale, one per
+    # adapter) and llama-server's per-request ``lora`` override
+    "lora_scale": Scales,
+    "lora": LoraList,
 }
 
 #: Options Ollama no longer honours: a Modelfile warns and drops them, the API ignores them.
@@ -93,6 +112,8 @@ _TYPE_WORDS = {
     bool: "a boolean (true or false)",
     str: "a string",
     list: "a string",
+    Scales: "a number (the scale of one ADAPTER, in ADAPTER order)",
+    LoraList: "a per-request value",
 }
 
 
@@ -192,6 +213,12 @@ def coerce_parameter(name: str, raw: str) -> ParameterValue:
             _check_deprecated_text(name, raw)
             return raw
         raise ParameterError(name, f'unknown parameter "{name}"' + did_you_mean(name, list(OPTION_TYPES)), unknown=True)
+    if kind is LoraList:
+        raise ParameterError(
+            name,
+            'parameter "lora" is a per-request option (llama-server\'s [{"id": N, "scale": S}]); a model sets the '
+            "default scale of each adapter with one PARAMETER lora_scale line per ADAPTER, in ADAPTER order",
+        )
     value: ParameterValue | None = None
     if kind is bool:
         value = True if raw in TRUE_WORDS else False if raw in FALSE_WORDS else None
@@ -200,6 +227,9 @@ def coerce_parameter(name: str, raw: str) -> ParameterValue:
             value = int(raw)
     elif kind is float:
         if _FLOAT.match(raw) and math.isfinite(float(raw)):
+            value = float(raw)
+    elif kind is Scales:
+        if _FLOAT.match(raw) and abs(float(raw)) <= MAX_LORA_SCALE:
             value = float(raw)
     else:
         value = raw
@@ -271,6 +301,14 @@ def _json_value(key: str, kind: type, value: object) -> OptionValue:
         raise ParameterError(key, f'option "{key}" must be of type integer, got {_show(value)}')
     if kind is float:
         raise ParameterError(key, f'option "{key}" must be of type float32, got {_show(value)}')
+    if kind is Scales:
+        return _scales(key, value)
+    if kind is LoraList:
+        try:
+            entries = lora_entries(value, key)
+        except ValueError as exc:
+            raise ParameterError(key, f'option "{key}": {exc}') from None
+        return [{"id": i, "scale": scale} for i, scale in entries]
     if kind is list:
         if isinstance(value, str):
             return [value]
@@ -280,6 +318,61 @@ def _json_value(key: str, kind: type, value: object) -> OptionValue:
     if isinstance(value, str):
         return value
     raise ParameterError(key, f'option "{key}" must be of type string, got {_show(value)}')
+
+
+def _scales(key: str, value: object) -> list[float]:
+    items = value if isinstance(value, (list, tuple)) else [value]
+    out: list[float] = []
+    for v in items:
+        if not _is_scale(v):
+            raise ParameterError(
+                key,
+                f'option "{key}" must be a number or an array of numbers (the default scale of each ADAPTER, in '
+                f"ADAPTER order; finite, at most {MAX_LORA_SCALE:g} either way), got {_show(value)}",
+            )
+        out.append(float(v))  # type: ignore[arg-type]  # _is_scale: an int or a float
+    return out
+
+
+def _is_scale(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= MAX_LORA_SCALE
+
+
+def lora_entries(value: object, where: str) -> list[tuple[int, float]]:
+    """llama-server's ``lora`` value checked for shape: an array of objects, each with an integer ``id`` (0 or
+    more; whether the model has that adapter is checked against it later) and a finite ``scale`` (negative allowed,
+    as llama.cpp subtracts the adapter then); no id twice. Other keys of an item are ignored, as llama-server does.
+    Returns (id, scale) pairs in the order given; a ValueError says what is wrong, naming ``where[i].field``."""
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(
+            f'{where} must be an array of objects with "id" and "scale" (llama-server\'s [{{"id": 0, "scale": 0.5}}]), '
+            f"got {_show(value)}"
+        )
+    out: list[tuple[int, float]] = []
+    seen: dict[int, int] = {}
+    for i, item in enumerate(value):
+        here = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise ValueError(f'{here} must be an object with "id" and "scale", got {_show(item)}')
+        ident = item.get("id")
+        if isinstance(ident, float) and ident.is_integer():
+            ident = int(ident)
+        if not isinstance(ident, int) or isinstance(ident, bool) or ident < 0:
+            raise ValueError(
+                f"{here}.id must be an adapter's index (an integer from 0, in the model's ADAPTER order), "
+                f"got {_show(ident) if 'id' in item else 'nothing'}"
+            )
+        scale = item.get("scale")
+        if not _is_scale(scale):
+            raise ValueError(
+                f"{here}.scale must be a finite number (0 turns the adapter off; at most {MAX_LORA_SCALE:g} either "
+                f"way), got {_show(scale) if 'scale' in item else 'nothing'}"
+            )
+        if ident in seen:
+            raise ValueError(f"{here}.id {ident} was already given in {where}[{seen[ident]}]; give each adapter once")
+        seen[ident] = i
+        out.append((ident, float(scale)))  # type: ignore[arg-type]  # _is_scale: an int or a float
+    return out
 
 
 def _show(value: object) -> str:

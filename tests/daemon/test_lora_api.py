@@ -1,0 +1,106 @@
+"""LoRA adapters at create and per request (issue 29), the API side: an ADAPTER that does not fit its base (another
+architecture, tensors the base does not have or of other shapes) is a 400 at create; several ADAPTER lines make one
+model; ``PARAMETER lora_scale`` gives each adapter's default scale; llama-server's ``lora`` field
+(``[{"id": N, "scale": S}]``) on /v1/chat/completions, /v1/completions and /v1/responses and ``options.lora`` on
+/api/generate and /api/chat is checked (an unknown id or a bad scale is a 400 naming it) and resolved into the
+request's (adapter path, scale) pairs (``daemon.generation.lora``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from daemon.generation import lora
+from modelfile import ParameterError, coerce_parameter, parse, validate_options
+
+A, B, C = "/blobs/sha256-a", "/blobs/sha256-b", "/blobs/sha256-c"
+
+
+# -- the option table: lora_scale (a model's defaults) and lora (a request's override) ---------------------------------
+def test_lora_scale_is_one_parameter_line_per_adapter() -> None:
+    mf = parse(
+        "FROM base\nADAPTER a.gguf\nADAPTER b.gguf\nPARAMETER lora_scale 0.5\nPARAMETER lora_scale 0\n"
+        "PARAMETER temperature 0.1\n"
+    )
+    assert mf.parameters == {"lora_scale": [0.5, 0.0], "temperature": 0.1}
+    assert coerce_parameter("lora_scale", "-1.5") == -1.5
+    with pytest.raises(ParameterError, match='parameter "lora_scale" needs a number'):
+        coerce_parameter("lora_scale", "half")
+    with pytest.raises(ParameterError, match="one PARAMETER lora_scale line per ADAPTER"):
+        coerce_parameter("lora", '[{"id": 0, "scale": 1}]')
+
+
+def test_lora_scale_from_json() -> None:
+    assert validate_options({"lora_scale": [1, 0.25]}) == {"lora_scale": [1.0, 0.25]}
+    assert validate_options({"lora_scale": 0.5}) == {"lora_scale": [0.5]}
+    for bad in ("1", [1, "x"], [True], [math.inf], [1e39]):
+        with pytest.raises(ParameterError, match='option "lora_scale" must be a number or an array of numbers'):
+            validate_options({"lora_scale": bad})
+
+
+def test_lora_option_shape() -> None:
+    got = validate_options({"lora": [{"id": 1, "scale": 0.5}, {"id": 0, "scale": -1, "name": "ignored"}]})
+    assert got == {"lora": [{"id": 1, "scale": 0.5}, {"id": 0, "scale": -1.0}]}
+    assert validate_options({"lora": []}) == {"lora": []}
+    # every other option still validates as before next to it
+    assert validate_options({"lora": [], "stop": "x", "seed": 3}) == {"lora": [], "stop": ["x"], "seed": 3}
+    cases = [
+        ({"id": 0, "scale": 1}, 'option "lora": lora must be an array of objects'),
+        (["x"], r"lora\[0\] must be an object"),
+        ([{"scale": 1}], r"lora\[0\]\.id must be an adapter's index .* got nothing"),
+        ([{"id": -1, "scale": 1}], r"lora\[0\]\.id must be .* got -1"),
+        ([{"id": "0", "scale": 1}], r"lora\[0\]\.id must be"),
+        ([{"id": True, "scale": 1}], r"lora\[0\]\.id must be"),
+        ([{"id": 0}], r"lora\[0\]\.scale must be a finite number .* got nothing"),
+        ([{"id": 0, "scale": "1"}], r"lora\[0\]\.scale must be a finite number"),
+        ([{"id": 0, "scale": math.nan}], r"lora\[0\]\.scale must be a finite number"),
+        ([{"id": 0, "scale": 1}, {"id": 0, "scale": 2}], r"lora\[1\]\.id 0 was already given in lora\[0\]"),
+    ]
+    for value, message in cases:
+        with pytest.raises(ParameterError, match=message):
+            validate_options({"lora": value})
+
+
+# -- daemon.generation.lora: parse, defaults, resolve --------------------------------------------------------------
+def test_parse_lora_checks_ids_against_the_model() -> None:
+    assert lora.parse_lora(None, 2) is None
+    assert lora.parse_lora([], 0) == {}
+    assert lora.parse_lora([{"id": 1, "scale": 0.5}], 2) == {1: 0.5}
+    with pytest.raises(ParameterError, match=r"lora\[0\]\.id is 2, but model 'm' has 2 LoRA adapters: ids 0 to 1"):
+        lora.parse_lora([{"id": 2, "scale": 0.5}], 2, model="m")
+    with pytest.raises(ParameterError, match=r"options\.lora\[0\]\.id is 0, but the model has no LoRA adapters"):
+        lora.parse_lora([{"id": 0, "scale": 1}], 0, "options.lora")
+    with pytest.raises(ParameterError, match=r"lora\[0\]\.scale must be a finite number") as info:
+        lora.parse_lora([{"id": 0, "scale": "x"}], 1)
+    assert info.value.name == "lora"
+
+
+def test_default_scales() -> None:
+    assert lora.default_scales((A, B, C), {}) == ((A, 1.0), (B, 1.0), (C, 1.0))
+    assert lora.default_scales((A, B, C), {"lora_scale": [0.5, 0.0]}) == ((A, 0.5), (B, 0.0), (C, 1.0))
+    with pytest.raises(ParameterError, match="lora_scale gives 2 scales, but model 'm' has 1 LoRA adapter;") as info:
+        lora.default_scales((A,), {"lora_scale": [0.5, 1.0]}, model="m")
+    assert info.value.name == "lora_scale"
+
+
+def test_resolve_overrides_as_llama_server_does() -> None:
+    defaults = ((A, 1.0), (B, 0.5), (C, 0.0))
+    assert lora.resolve(defaults, None) == ((A, 1.0), (B, 0.5))  # scale 0 left out
+    assert lora.resolve(defaults, {}) == ((A, 1.0), (B, 0.5))  # an empty list keeps the defaults
+    # a non-empty list sets every scale: the adapters it does not name are off
+    assert lora.resolve(defaults, {2: 0.25}) == ((C, 0.25),)
+    assert lora.resolve(defaults, {1: 2.0, 0: -0.5}) == ((A, -0.5), (B, 2.0))  # ADAPTER order, whatever the list's
+    assert lora.resolve(defaults, {0: 0.0}) == ()  # the base model alone
+    assert lora.resolve((), None) == ()
+    with pytest.raises(ValueError, match="out of range"):
+        lora.resolve(defaults, {3: 1.0})
+
+
+def test_request_adapters() -> None:
+    opts = {"lora_scale": [0.5], "lora": [{"id": 1, "scale": 0.3}]}
+    assert lora.request_adapters((A, B), opts) == ((B, 0.3),)
+    assert lora.request_adapters((A, B), {"lora_scale": [0.5]}) == ((A, 0.5), (B, 1.0))
+    assert lora.request_adapters((), {}) == ()
+    with pytest.raises(ParameterError, match="has no LoRA adapters"):
+        lora.request_adapters((), {"lora": [{"id": 0, "scale": 1.0}]}, model="plain")
