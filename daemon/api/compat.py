@@ -27,7 +27,8 @@ from daemon.api.streaming import LiveStream
 from daemon.generation.calls import KeepAlive
 from daemon.logs import note
 from errors import CorralError, InvalidRequest, ModelNotFound
-from modelfile.params import RANGES
+from modelfile.errors import ParameterError
+from modelfile.params import RANGES, lora_entries
 
 log = logging.getLogger(__name__)
 Handler = Callable[..., Awaitable[Response]]
@@ -166,6 +167,21 @@ def speculative_options(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def lora_option(body: dict[str, Any]) -> dict[str, Any]:
+    """llama-server's per-request LoRA scales, ``"lora": [{"id": N, "scale": S}, ...]`` at the top of a /v1 body
+    (ids in the model's ADAPTER order), as the option ``lora``; its shape is checked here so that a bad item is a
+    400 naming it (``lora[1].scale``). Whether the model has those adapters is checked once it is looked up
+    (``daemon.generation.lora``). A ``lora`` inside ``options`` (Ollama's spelling) is replaced by this one."""
+    value = body.get("lora")
+    if value is None:
+        return {}
+    try:
+        entries = lora_entries(value, "lora")
+    except ValueError as exc:
+        raise BadParam("lora", str(exc)) from None
+    return {"lora": [{"id": ident, "scale": scale} for ident, scale in entries]}
+
+
 # reasoning_effort (or reasoning.effort) -> Ollama's think, as Ollama's OpenAI layer maps it: OpenAI's scale runs
 # past Ollama's at both ends, so it is clamped, not refused
 EFFORTS: dict[str, bool | str] = {
@@ -229,6 +245,8 @@ def openai_error(exc: BaseException) -> JSONResponse:
     )
     code = "model_not_found" if status == 404 and "model" in str(exc) else None
     param = getattr(exc, "param", None)
+    if param is None and isinstance(exc, ParameterError):
+        param = exc.name  # an option's value (lora, lora_scale, temperature...) that does not fit
     if param is None and status == 400 and str(exc).startswith("draft model "):
         param = "draft_model"  # the draft model could not be used (not found, another vocabulary...)
     if status >= 500:

@@ -172,6 +172,7 @@ class Creator:
             base = [layer for layer in base if layer.media_type != MEDIA_ADAPTER] + self._adapters(req.adapters)
         if not any(layer.media_type == MEDIA_MODEL for layer in base):
             raise InvalidRequest("the model has no GGUF model layer; FROM must name a GGUF model file or a model")
+        self._check_adapters(base)
         quant = self._quantize_plan(req.quantize or req.quantization or "", base)
 
         layers = list(base)
@@ -192,9 +193,18 @@ class Creator:
         if old_params is not None:
             old = self.catalog.json_layer(old_params.digest)
             params.update(old if isinstance(old, dict) else {})
+        if req.adapters and not (req.parameters and "lora_scale" in req.parameters):
+            params.pop("lora_scale", None)  # new adapters: the FROM model's scales were for its own adapters
         if req.parameters:
+            if "lora" in req.parameters:
+                raise InvalidRequest(
+                    'parameter "lora" is a per-request option (llama-server\'s [{"id": N, "scale": S}]); a model '
+                    "sets the default scale of each adapter with PARAMETER lora_scale, one per ADAPTER, in ADAPTER "
+                    "order"
+                )
             params.update(validate_options(dict(req.parameters)))
         layers = [layer for layer in layers if layer.media_type != MEDIA_PARAMS]
+        self._check_scales(params, layers)
         self._check_draft(raw_name, params, layers)
         if params:
             new_blobs.append((MEDIA_PARAMS, json.dumps(params, separators=(",", ":")).encode()))
@@ -332,14 +342,49 @@ class Creator:
         return kept[:at] + layers + kept[at:]
 
     def _adapters(self, adapters: Mapping[str, str]) -> list[Layer]:
-        if len(adapters) > 1:
-            raise InvalidRequest(f"only one adapter is supported, got {len(adapters)}")
-        out = []
+        """One layer per ADAPTER, in the order given (an adapter's index in it is its ``id`` in a request's
+        ``lora``); the same adapter twice is refused."""
+        out: list[Layer] = []
+        seen: dict[Digest, str] = {}
         for filename, digest_text in adapters.items():
             digest = self._blob_for(filename, digest_text)
+            if digest in seen:
+                raise InvalidRequest(
+                    f'ADAPTER "{filename}" is the same file as ADAPTER "{seen[digest]}"; give each adapter once '
+                    "(PARAMETER lora_scale sets how strongly it applies)"
+                )
+            seen[digest] = filename
             self._gguf(filename, digest)
             out.append(Layer(MEDIA_ADAPTER, digest, self.store.blob_size(digest), from_=posixpath.basename(filename)))
         return out
+
+    def _check_adapters(self, layers: list[Layer]) -> None:
+        """Every adapter of the model must be a LoRA adapter that fits its base model (:func:`adapter_misfit`):
+        refused here, with what is wrong, rather than when a runner first loads it."""
+        adapters = [layer for layer in layers if layer.media_type == MEDIA_ADAPTER]
+        if not adapters:
+            return
+        model = next(layer for layer in layers if layer.media_type == MEDIA_MODEL)
+        base = self._gguf(model.from_ or str(model.digest), model.digest)
+        for layer in adapters:
+            name = layer.from_ or str(layer.digest)
+            problem = adapter_misfit(base, self._gguf(name, layer.digest))
+            if problem:
+                raise InvalidRequest(f'ADAPTER "{name}" does not fit the model: {problem}')
+
+    @staticmethod
+    def _check_scales(params: Mapping[str, Any], layers: list[Layer]) -> None:
+        """PARAMETER lora_scale: at most one value per ADAPTER."""
+        scales = params.get("lora_scale")
+        if not isinstance(scales, list):
+            return
+        n = sum(1 for layer in layers if layer.media_type == MEDIA_ADAPTER)
+        if len(scales) > n:
+            raise InvalidRequest(
+                f"PARAMETER lora_scale is given {len(scales)} times, but the model has {n} ADAPTER"
+                f"{'' if n == 1 else 's'}; give one lora_scale per ADAPTER, in ADAPTER order (adapters past the "
+                "last lora_scale take 1.0)"
+            )
 
     # -- writes ------------------------------------------------------------------------------------------------
     def _execute(
@@ -468,6 +513,62 @@ def media_type_for(info: GGUFInfo) -> str:
     ):
         return MEDIA_PROJECTOR
     return MEDIA_MODEL
+
+
+def adapter_misfit(base: GGUFInfo, adapter: GGUFInfo) -> str:
+    """What keeps llama.cpp from applying ``adapter`` to ``base`` (llama_adapter_lora_init's checks), or "": it must
+    be a LoRA adapter (general.type "adapter", adapter.type "lora") for the base's architecture, with its tensors in
+    pairs ``<w>.lora_a``/``<w>.lora_b`` for weights ``<w>`` of the base, shaped for them (ggml order: A is
+    [in, rank] and B [rank, out] for a weight [in, out]; the token embedding's pair is the other way round)."""
+    kind = adapter.general_type or "(none)"
+    if kind != "adapter":
+        return f'it is not an adapter GGUF (its general.type is "{kind}", not "adapter")'
+    lora_type = adapter.metadata.get("adapter.type")
+    if lora_type != "lora":
+        return f'it is not a LoRA adapter (its adapter.type is {_text(lora_type)}, not "lora")'
+    if adapter.architecture != base.architecture:
+        return (
+            f'it was made for the architecture "{adapter.architecture or "(none)"}", and the model is '
+            f'"{base.architecture or "(none)"}"; an adapter only fits the base model it was trained on'
+        )
+    weights = {t.name: t.shape for t in base.tensors}
+    pairs: dict[str, dict[str, tuple[int, ...]]] = {}
+    for t in adapter.tensors:
+        for part in ("lora_a", "lora_b"):
+            if t.name.endswith(f".{part}"):
+                pairs.setdefault(t.name[: -len(part) - 1], {})[part] = t.shape
+    if not pairs:
+        return "it has no LoRA tensors (no <weight>.lora_a / <weight>.lora_b pairs)"
+    for name, pair in pairs.items():
+        if "lora_a" not in pair or "lora_b" not in pair:
+            missing = "lora_a" if "lora_a" not in pair else "lora_b"
+            return f'its tensor pair for "{name}" has no {name}.{missing}'
+        weight = weights.get(name)
+        if weight is None:
+            return f'it has tensors for "{name}", which the model does not have (an adapter for another model?)'
+        a, b = pair["lora_a"], pair["lora_b"]
+        if len(weight) != 2 or len(a) != 2 or len(b) != 2:
+            return (
+                f'"{name}" is not a matrix in both files (model {_dims(weight)}, lora_a {_dims(a)}, lora_b {_dims(b)})'
+            )
+        if name == "token_embd.weight":
+            ok = weight[0] == b[1] and weight[1] == a[1] and a[0] == b[0]
+        else:
+            ok = weight[0] == a[0] and weight[1] == b[1] and a[1] == b[0]
+        if not ok:
+            return (
+                f'"{name}" is {_dims(weight)} in the model, but its lora_a is {_dims(a)} and lora_b {_dims(b)}: '
+                "an adapter of other tensor shapes (made for another model of this architecture?)"
+            )
+    return ""
+
+
+def _dims(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _text(value: Any) -> str:
+    return f'"{value}"' if isinstance(value, str) else "(none)" if value is None else repr(value)
 
 
 def _positive(value: Any) -> bool:

@@ -8,11 +8,20 @@ request's (adapter path, scale) pairs (``daemon.generation.lora``)."""
 from __future__ import annotations
 
 import math
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from daemon.generation import lora
 from modelfile import ParameterError, coerce_parameter, parse, validate_options
+from tests.conftest import Daemon, start_daemon, stop_daemon
+from tests.models import write_lora_gguf, write_tiny_gguf
 
 A, B, C = "/blobs/sha256-a", "/blobs/sha256-b", "/blobs/sha256-c"
 
@@ -104,3 +113,117 @@ def test_request_adapters() -> None:
     assert lora.request_adapters((), {}) == ()
     with pytest.raises(ParameterError, match="has no LoRA adapters"):
         lora.request_adapters((), {"lora": [{"id": 0, "scale": 1.0}]}, model="plain")
+
+
+# -- a daemon with a tiny base model and adapters written for it (and for others) --------------------------------------
+@dataclass
+class Store:
+    d: Daemon
+    tmp: Path
+    base: Path  # the tiny llama GGUF every good adapter is written for
+
+
+def _create(s: Store, name: str, modelfile: str) -> subprocess.CompletedProcess[str]:
+    mf = s.tmp / f"{name}.Modelfile"
+    mf.write_text(modelfile)
+    return s.d.cli("create", name, "-f", str(mf))
+
+
+def _post(d: Daemon, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(d.url + path, json=body, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
+    tmp = tmp_path_factory.mktemp("lora")
+    d = start_daemon(tmp / "models", tmp / "daemon.log")
+    try:
+        s = Store(d, tmp, write_tiny_gguf(tmp / "base.gguf"))
+        made = _create(s, "base", f"FROM {s.base}\n")
+        assert made.returncode == 0, made.stdout + made.stderr
+        yield s
+    finally:
+        stop_daemon(d)
+
+
+def test_several_adapters_make_one_model_with_their_scales(store: Store) -> None:
+    a = write_lora_gguf(store.tmp / "a.gguf", store.base, seed=1)
+    b = write_lora_gguf(store.tmp / "b.gguf", store.base, seed=2, targets=("attn_k", "ffn_up"))
+    made = _create(store, "two", f"FROM base\nADAPTER {a}\nADAPTER {b}\nPARAMETER lora_scale 0.5\n")
+    assert made.returncode == 0, made.stdout + made.stderr
+    shown = _post(store.d, "/api/show", {"model": "two"}).json()
+    assert shown["modelfile"].count("\nADAPTER ") == 2, shown["modelfile"]
+    assert "PARAMETER lora_scale 0.5" in shown["modelfile"], shown["modelfile"]
+    assert "lora_scale" in shown["parameters"], shown["parameters"]
+    # the same file under two names is one adapter given twice
+    twin = store.tmp / "a-again.gguf"
+    shutil.copyfile(a, twin)
+    made = _create(store, "twice", f"FROM base\nADAPTER {a}\nADAPTER {twin}\n")
+    assert made.returncode != 0 and "is the same file as ADAPTER" in made.stderr, made.stdout + made.stderr
+    # more scales than adapters; lora as a model parameter
+    r = _post(store.d, "/api/create", {"model": "x", "from": "two", "parameters": {"lora_scale": [1, 1, 1]}})
+    assert r.status_code == 400 and "lora_scale is given 3 times, but the model has 2 ADAPTERs" in r.text, r.text
+    r = _post(store.d, "/api/create", {"model": "x", "from": "two", "parameters": {"lora": []}})
+    assert r.status_code == 400 and 'parameter "lora" is a per-request option' in r.json()["error"], r.text
+    # a model made FROM it with new adapters does not keep its scales (they were for its own adapters)
+    made = _create(store, "one", f"FROM two\nADAPTER {b}\n")
+    assert made.returncode == 0, made.stdout + made.stderr
+    shown = _post(store.d, "/api/show", {"model": "one"}).json()
+    assert shown["modelfile"].count("\nADAPTER ") == 1 and "lora_scale" not in shown["modelfile"], shown
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda s: write_lora_gguf(s.tmp / "qwen.gguf", s.base, architecture="qwen2"),
+            'it was made for the architecture "qwen2", and the model is "llama"',
+        ),
+        (  # another model of the same architecture, of another width
+            lambda s: write_lora_gguf(s.tmp / "narrow.gguf", write_tiny_gguf(s.tmp / "narrow-base.gguf", n_embd=32)),
+            '"blk.0.attn_q.weight" is [64, 64] in the model, but its lora_a is [32, 4] and lora_b [4, 32]',
+        ),
+        (  # a deeper model: tensors this one does not have
+            lambda s: write_lora_gguf(s.tmp / "deep.gguf", write_tiny_gguf(s.tmp / "deep-base.gguf", n_layer=3)),
+            'it has tensors for "blk.2.attn_q.weight", which the model does not have',
+        ),
+    ],
+)
+def test_an_adapter_that_does_not_fit_is_refused_at_create(
+    store: Store, make: Callable[[Store], Path], message: str
+) -> None:
+    adapter = make(store)
+    made = _create(store, "misfit", f"FROM base\nADAPTER {adapter}\n")
+    assert made.returncode != 0, made.stdout
+    assert f'ADAPTER "{adapter.name}" does not fit the model: {message}' in made.stderr, made.stderr
+    assert _post(store.d, "/api/show", {"model": "misfit"}).status_code == 404  # nothing was written
+
+
+BAD_LORAS = [
+    ({"id": 0, "scale": 1}, "lora must be an array of objects"),
+    ([{"id": -1, "scale": 1}], "lora[0].id must be an adapter's index"),
+    ([{"id": 0, "scale": "big"}], "lora[0].scale must be a finite number"),
+    ([{"id": 0, "scale": 1}, {"id": 0, "scale": 1}], "lora[1].id 0 was already given in lora[0]"),
+]
+
+
+@pytest.mark.parametrize(("value", "message"), BAD_LORAS)
+def test_a_bad_lora_is_refused_on_every_route(store: Store, value: Any, message: str) -> None:
+    d = store.d
+    user = [{"role": "user", "content": "hi"}]
+    for path, body in (
+        ("/v1/chat/completions", {"messages": user, "max_tokens": 2, "lora": value}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "lora": value}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "lora": value}),
+    ):
+        r = _post(d, path, {"model": "base", **body})
+        assert r.status_code == 400, (path, r.text)
+        error = r.json()["error"]
+        assert message in error["message"] and error["param"] == "lora", (path, error)
+    for path, body in (
+        ("/api/generate", {"prompt": "hi", "stream": False}),
+        ("/api/chat", {"messages": user, "stream": False}),
+    ):
+        r = _post(d, path, {"model": "base", **body, "options": {"num_predict": 2, "lora": value}})
+        assert r.status_code == 400, (path, r.text)
+        assert message in r.json()["error"], (path, r.text)

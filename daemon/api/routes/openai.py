@@ -38,6 +38,7 @@ from daemon.api.compat import (
     get,
     guarded,
     keep_alive_of,
+    lora_option,
     openai_error,
     shaped,
     speculative_options,
@@ -86,6 +87,7 @@ def _options(body: dict[str, Any]) -> tuple[JSONObject, LogitBias]:
     if extra:
         opts.update(extra)
     opts.update(speculative_options(body))  # draft_model, speculative.n_max/n_min/p_min
+    opts.update(lora_option(body))  # llama-server's lora: [{"id", "scale"}] (the model's ADAPTERs by index)
     for name, kind, lo, hi in (
         ("temperature", "num", 0, 2),
         ("top_p", "num", 0, 1),

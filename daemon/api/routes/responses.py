@@ -54,6 +54,7 @@ from daemon.api.compat import (
     get,
     guarded,
     keep_alive_of,
+    lora_option,
     openai_error,
     shaped,
     speculative_options,
@@ -264,6 +265,7 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
     opts: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0}  # OpenAI's defaults, as /v1/chat/completions
     opts.update(get(body, "options", "dict") or {})
     opts.update(speculative_options(body))  # draft_model, speculative.n_max/n_min/p_min, as /v1/chat/completions
+    opts.update(lora_option(body))  # llama-server's lora: [{"id", "scale"}] (the model's ADAPTERs by index)
     for name, hi in (("temperature", 2), ("top_p", 1)):
         value = get(body, name, "num", lo=0, hi=hi)
         if value is not None:
