@@ -17,6 +17,7 @@ from daemon.api.disconnect import CancelOnDisconnect
 from daemon.api.observe import Metrics, Observe
 from daemon.api.routes import anthropic as anthropic_routes
 from daemon.api.routes import blobs, create, embed, generate, meta, models, ps
+from daemon.api.routes import lora as lora_routes
 from daemon.api.routes import openai as openai_routes
 from daemon.api.routes import registry as registry_routes
 from daemon.api.routes import rerank as rerank_routes
@@ -208,6 +209,7 @@ def create_app(
     app.include_router(transfer_routes.router)
     app.include_router(rerank_routes.router)
     app.include_router(slots_routes.router)
+    app.include_router(lora_routes.router)
     metrics = Metrics(scheduler)
     app.state.metrics = metrics
 

@@ -7,6 +7,7 @@ request's (adapter path, scale) pairs (``daemon.generation.lora``)."""
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import subprocess
@@ -227,3 +228,28 @@ def test_a_bad_lora_is_refused_on_every_route(store: Store, value: Any, message:
         r = _post(d, path, {"model": "base", **body, "options": {"num_predict": 2, "lora": value}})
         assert r.status_code == 400, (path, r.text)
         assert message in r.json()["error"], (path, r.text)
+
+
+def test_lora_adapters_lists_a_models_adapters_by_digest(store: Store) -> None:
+    a = write_lora_gguf(store.tmp / "la.gguf", store.base, seed=3)
+    b = write_lora_gguf(store.tmp / "lb.gguf", store.base, seed=4)
+    made = _create(store, "listed", f"FROM base\nADAPTER {a}\nADAPTER {b}\nPARAMETER lora_scale 0.25\n")
+    assert made.returncode == 0, made.stdout + made.stderr
+    r = httpx.get(store.d.url + "/lora-adapters", params={"model": "listed"})
+    assert r.status_code == 200, r.text
+    digests = [layer["digest"] for layer in _manifest_layers(store, "listed") if layer["mediaType"].endswith("adapter")]
+    assert r.json() == [{"id": 0, "path": digests[0], "scale": 0.25}, {"id": 1, "path": digests[1], "scale": 1.0}]
+    assert "/" not in r.text  # no path of this machine
+    assert httpx.get(store.d.url + "/lora-adapters", params={"model": "base"}).json() == []
+    r = httpx.get(store.d.url + "/lora-adapters")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    r = httpx.get(store.d.url + "/lora-adapters", params={"model": "nope"})
+    assert r.status_code == 404, r.text
+    r = httpx.post(store.d.url + "/lora-adapters", json=[{"id": 0, "scale": 0.5}])
+    assert r.status_code == 400 and '"lora": [{"id": N, "scale": S}]' in r.json()["error"]["message"], r.text
+
+
+def _manifest_layers(store: Store, name: str) -> list[dict[str, Any]]:
+    path = store.d.models / "manifests" / "registry.ollama.ai" / "library" / name / "latest"
+    layers: list[dict[str, Any]] = json.loads(path.read_text())["layers"]
+    return layers
