@@ -534,9 +534,11 @@ def adapter_misfit(base: GGUFInfo, adapter: GGUFInfo) -> str:
     weights = {t.name: t.shape for t in base.tensors}
     pairs: dict[str, dict[str, tuple[int, ...]]] = {}
     for t in adapter.tensors:
-        for part in ("lora_a", "lora_b"):
-            if t.name.endswith(f".{part}"):
-                pairs.setdefault(t.name[: -len(part) - 1], {})[part] = t.shape
+        part = t.name.rsplit(".", 1)[-1]
+        if part in ("lora_a", "lora_b"):
+            pairs.setdefault(t.name[: -len(part) - 1], {})[part] = t.shape
+        elif not t.name.endswith("_norm.weight"):  # llama.cpp takes norm weights beside the pairs, nothing else
+            return f'its tensor "{t.name}" is neither a .lora_a/.lora_b half of a pair nor a norm weight'
     if not pairs:
         return "it has no LoRA tensors (no <weight>.lora_a / <weight>.lora_b pairs)"
     for name, pair in pairs.items():

@@ -11,16 +11,18 @@ import json
 import math
 import shutil
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
 
 from daemon.generation import lora
+from daemon.models.create import adapter_misfit
 from modelfile import ParameterError, coerce_parameter, parse, validate_options
+from registry.gguf import GGUFInfo, read_gguf_file
 from tests.conftest import Daemon, start_daemon, stop_daemon
 from tests.models import write_lora_gguf, write_tiny_gguf
 
@@ -114,6 +116,86 @@ def test_request_adapters() -> None:
     assert lora.request_adapters((), {}) == ()
     with pytest.raises(ParameterError, match="has no LoRA adapters"):
         lora.request_adapters((), {"lora": [{"id": 0, "scale": 1.0}]}, model="plain")
+
+
+# -- the create-time check, on headers (llama.cpp's llama_adapter_lora_init rules) -----------------------------------
+def _adapter(path: Path, tensors: Mapping[str, tuple[int, ...]], **kv: str) -> GGUFInfo:
+    """An adapter GGUF with zero tensors of these numpy shapes (ggml's order reversed), read back as a header."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), kv.pop("arch", "llama"))
+    w.add_type(kv.pop("general_type", "adapter"))
+    w.add_string("adapter.type", kv.pop("adapter_type", "lora"))
+    for name, shape in tensors.items():
+        w.add_tensor(name, np.zeros(shape, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return read_gguf_file(path)
+
+
+def test_adapter_misfit_rules(tmp_path: Path) -> None:
+    base = read_gguf_file(write_tiny_gguf(tmp_path / "base.gguf"))  # n_embd 64, n_vocab 300
+    q = "blk.0.attn_q.weight"
+    good = {f"{q}.lora_a": (4, 64), f"{q}.lora_b": (64, 4), "blk.0.attn_norm.weight": (64,)}
+    assert adapter_misfit(base, _adapter(tmp_path / "good.gguf", good)) == ""
+    embd = {"token_embd.weight.lora_a": (300, 4), "token_embd.weight.lora_b": (64, 4)}  # A and B the other way
+    assert adapter_misfit(base, _adapter(tmp_path / "embd.gguf", embd)) == ""
+    cases = [
+        (good, {"general_type": "model"}, 'it is not an adapter GGUF (its general.type is "model"'),
+        (good, {"adapter_type": "control_vector"}, 'it is not a LoRA adapter (its adapter.type is "control_vector"'),
+        ({f"{q}.lora_a": (4, 64)}, {}, f'its tensor pair for "{q}" has no {q}.lora_b'),
+        ({**good, f"{q}.lora_c": (4, 64)}, {}, f'its tensor "{q}.lora_c" is neither'),
+        (
+            {f"{q}.lora_a": (64, 4), f"{q}.lora_b": (4, 64)},
+            {},
+            f'"{q}" is [64, 64] in the model, but its lora_a is [4, 64]',
+        ),
+        ({}, {}, "it has no LoRA tensors"),
+    ]
+    for i, (tensors, kv, message) in enumerate(cases):
+        got = adapter_misfit(base, _adapter(tmp_path / f"bad{i}.gguf", cast(Mapping[str, Any], tensors), **kv))
+        assert got.startswith(message), (message, got)
+
+
+def test_adapter_misfit_agrees_with_llama_cpp(tmp_path: Path) -> None:
+    """Each adapter the check passes loads in llama.cpp (llama_adapter_lora_init), each it refuses does not (but one
+    without any LoRA tensor, which llama.cpp loads as a no-op and corral refuses as a mistake)."""
+    import llama_cpp
+
+    base_path = write_tiny_gguf(tmp_path / "base.gguf")
+    base = read_gguf_file(base_path)
+    q = "blk.0.attn_q.weight"
+    pair = {f"{q}.lora_a": (4, 64), f"{q}.lora_b": (64, 4)}
+    cases: list[tuple[Mapping[str, tuple[int, ...]], dict[str, str]]] = [
+        ({**pair, "blk.0.attn_norm.weight": (64,)}, {}),
+        ({"token_embd.weight.lora_a": (300, 4), "token_embd.weight.lora_b": (64, 4)}, {}),
+        ({"token_embd.weight.lora_a": (4, 300), "token_embd.weight.lora_b": (64, 4)}, {}),
+        ({f"{q}.lora_a": (4, 64)}, {}),
+        ({**pair, f"{q}.lora_c": (4, 64)}, {}),
+        ({f"{q}.lora_a": (64, 4), f"{q}.lora_b": (4, 64)}, {}),
+        ({"blk.5.attn_q.weight.lora_a": (4, 64), "blk.5.attn_q.weight.lora_b": (64, 4)}, {}),
+        (pair, {"arch": "qwen2"}),
+        (pair, {"adapter_type": "control_vector"}),
+    ]
+    llama_cpp.llama_backend_init()
+    model = llama_cpp.llama_model_load_from_file(str(base_path).encode(), llama_cpp.llama_model_default_params())
+    assert model
+    try:
+        verdicts = []
+        for i, (tensors, kv) in enumerate(cases):
+            path = tmp_path / f"a{i}.gguf"
+            ours = adapter_misfit(base, _adapter(path, tensors, **kv)) == ""
+            adapter = llama_cpp.llama_adapter_lora_init(model, str(path).encode())
+            if adapter:
+                llama_cpp.llama_adapter_lora_free(adapter)
+            verdicts.append((i, ours, bool(adapter)))
+        assert all(ours == loads for _, ours, loads in verdicts), verdicts
+        assert [ours for _, ours, _ in verdicts] == [True, True] + [False] * 7
+    finally:
+        llama_cpp.llama_model_free(model)
 
 
 # -- a daemon with a tiny base model and adapters written for it (and for others) --------------------------------------
