@@ -19,6 +19,8 @@ Configurations (``--configs``, all by default; a missing peer binary leaves its 
 * ``corral-draft``: the draft model per request, ``options.draft_model`` (model ``spec-TYPE``, the same target blob
   under another name, so its runner keeps its draft loaded while ``bench``'s keeps none);
 * ``corral-ngram``: prompt lookup, ``options.draft_ngram`` (model ``bench``: no reload, the option is per request);
+* ``draft-alone``: the draft model by itself (model ``draft-TYPE``, no speculation): what one of its tokens costs
+  against one of the target's;
 * ``llama-server``: no speculation;
 * ``llama-server-draft``: ``--spec-type draft-simple --model-draft`` with ``--spec-draft-n-max/-n-min/-p-min``;
 * ``llama-server-ngram``: ``--spec-type ngram-simple`` with ``--spec-ngram-simple-size-n`` (the n-gram length)
@@ -54,6 +56,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -72,11 +75,20 @@ import batching
 
 CACHE = Path(os.environ.get("CORRAL_BENCH_DIR", Path.home() / ".cache" / "corral-bench"))
 TARGET = CACHE / "SmolLM2-135M-Instruct-F16.gguf"
+LOG = CACHE / "speculative-corral.log"
 HEAD = "## Speculative decoding: a draft model and prompt lookup (issue 28)"
 CTX = 2048
 PEER = batching.SDIST / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
 T = TypeVar("T")
-CONFIGS = ("corral", "corral-draft", "corral-ngram", "llama-server", "llama-server-draft", "llama-server-ngram")
+CONFIGS = (
+    "corral",
+    "corral-draft",
+    "corral-ngram",
+    "draft-alone",
+    "llama-server",
+    "llama-server-draft",
+    "llama-server-ngram",
+)
 
 CHAT = (
     "I have started working from home and I feel tired and distracted by the afternoon. "
@@ -212,9 +224,9 @@ class Result:
 
 
 def _fail(what: str, r: httpx.Response) -> None:
-    if r.status_code != 200:
+    if r.status_code not in (200, 201):
         r.read()
-        sys.exit(f"{what}: HTTP {r.status_code}: {r.text[:500]}")
+        sys.exit(f"{what}: HTTP {r.status_code}: {r.text[:500]} (corral's daemon log: {LOG})")
 
 
 class Corral(batching.Corral):
@@ -225,8 +237,28 @@ class Corral(batching.Corral):
     name = "corral"
 
     def __init__(self, gguf: Path, work: Path, slots: int, quants: list[str]) -> None:
-        super().__init__(gguf, CTX, work, slots)
+        self.port = batching.free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("CORRAL_", "OLLAMA_"))}
+        env.update(
+            {
+                "CORRAL_HOST": f"127.0.0.1:{self.port}",
+                "CORRAL_MODELS": str(work / "models"),
+                "CORRAL_KV_DISK_DIR": str(work / "kv"),  # its own prompt cache on disk, never the user's
+                "PYTHONPATH": str(batching.REPO),
+                "CORRAL_NUM_PARALLEL": str(slots),
+            }
+        )
+        with LOG.open("wb") as log:  # the daemon's log, kept after the run (a runner that fails says why there)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "cli", "serve"], env=env, cwd=batching.REPO, stdout=log, stderr=log
+            )
+        batching.wait_up(self.url + "/api/version", self.proc)
         digest = "sha256:" + hashlib.sha256(gguf.read_bytes()).hexdigest()
+        with gguf.open("rb") as f:
+            r = httpx.post(f"{self.url}/api/blobs/{digest}", content=f, timeout=120)
+            _fail("blob upload", r)
+        self.create({"model": "bench", "files": {gguf.name: digest}, "parameters": {"num_ctx": CTX}})
         self.draft_files: dict[str, Path] = {}
         for q in quants:
             started = time.monotonic()
@@ -271,7 +303,7 @@ class Corral(batching.Corral):
                     continue
                 obj = json.loads(line)
                 if obj.get("error"):
-                    sys.exit(f"corral /api/chat {model} {options}: {obj['error']}")
+                    sys.exit(f"corral /api/chat {model} {options}: {obj['error']} (corral's daemon log: {LOG})")
                 piece = (obj.get("message") or {}).get("content") or ""
                 if piece:
                     last = time.perf_counter() - start
@@ -372,7 +404,7 @@ class Config:
 
     @property
     def family(self) -> str:
-        return "corral" if self.key.startswith("corral") else "llama-server"
+        return "llama-server" if self.key.startswith("llama-server") else "corral"
 
     def request(self, prompt: str, tokens: int) -> Result:
         result: Result = self.server.chat(self.model, prompt, tokens, self.options)
@@ -384,7 +416,7 @@ def configurations(args: argparse.Namespace, work: Path, stack: contextlib.ExitS
     if unknown := [k for k in keys if k not in CONFIGS]:
         sys.exit(f"unknown configuration {', '.join(unknown)}: use {', '.join(CONFIGS)} (comma-separated)")
     quants = [q for q in args.drafts.split(",") if q]
-    if not quants and any(k.endswith("-draft") for k in keys):
+    if not quants and any(k.endswith("-draft") or k == "draft-alone" for k in keys):
         sys.exit("--drafts is empty: name the quantization types of the draft models (e.g. Q4_K_S,Q8_0)")
     if any(k.startswith("llama-server") for k in keys) and not PEER.is_file():
         print(f"llama-server is not built ({PEER}): bench/setup_peers.sh builds it; its rows are left out")
@@ -404,7 +436,7 @@ def configurations(args: argparse.Namespace, work: Path, stack: contextlib.ExitS
         target,
         work / "corral",
         args.parallel,
-        quants if {"corral-draft", "llama-server-draft"} & set(keys) else [],
+        quants if {"corral-draft", "draft-alone", "llama-server-draft"} & set(keys) else [],
     )
     stack.callback(corral.close)
     out: list[Config] = []
@@ -428,6 +460,11 @@ def configurations(args: argparse.Namespace, work: Path, stack: contextlib.ExitS
                         f"spec-{q}",
                         {"draft_model": f"draft-{q}", **spec},
                     )
+                )
+        elif key == "draft-alone":
+            for q in quants:
+                out.append(
+                    Config(key, f"the draft {q} alone (corral, model `draft-{q}`)", "alone", corral, f"draft-{q}")
                 )
         elif key == "corral-ngram":
             out.append(
@@ -549,7 +586,7 @@ def run(args: argparse.Namespace) -> None:
                     + " tok/s",
                     flush=True,
                 )
-        corral = [c for c in configs if c.family == "corral"]
+        corral = [c for c in configs if c.family == "corral" and c.kind != "alone"]
         if args.streams and corral:
             for c in corral:  # warm this level up (a burst's first step evaluates all the prompts)
                 burst(c, args.streams, CHAT, 16)
@@ -635,7 +672,7 @@ def render(
             )
             drafted = [x.draft_n for x in rs if x.draft_n is not None]
             accepted = [x.draft_n_accepted for x in rs if x.draft_n_accepted is not None]
-            if c.kind == "none":
+            if c.kind in ("none", "alone"):
                 dn = da = acc = "-"
             elif drafted and accepted:
                 dn, da = f"{statistics.median(drafted):.0f}", f"{statistics.median(accepted):.0f}"
@@ -643,7 +680,7 @@ def render(
             else:
                 dn = da = acc = "not reported"
             ref = own if own and own is not c else base["corral"] if c.family == "llama-server" else None
-            if ref is None:
+            if ref is None or c.kind == "alone":
                 same = "-"
             else:
                 texts = [x.text for x in single[(ref.label, prompt)]]
