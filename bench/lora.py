@@ -348,7 +348,7 @@ def run(args: argparse.Namespace) -> None:
             if k == "before":
                 server: Server = Corral(k, args.before.resolve(), base, adapters, args.ctx, args.streams // ADAPTERS)
             elif k == "shared":
-                server = Corral(k, batching.REPO, base, adapters, args.ctx, args.streams)
+                server = Corral(k, args.shared.resolve(), base, adapters, args.ctx, args.streams)
             else:
                 server = LlamaServer(base, adapters, args.ctx, args.streams)
             stack.callback(server.close)
@@ -376,11 +376,20 @@ def run(args: argparse.Namespace) -> None:
         batching.write_section(args.write, lines, HEAD)
 
 
+def revision(checkout: Path) -> str:
+    """The checkout's commit, and whether files git tracks were changed in it."""
+    git = ["git", "-C", str(checkout)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    return f"`{head or '?'}`" + (" + uncommitted edits" if dirty.stdout.strip() else "")
+
+
 def command(args: argparse.Namespace) -> str:
+    shared = "" if args.shared.resolve() == batching.REPO else f"--shared {args.shared} "
     return (
         f"bench/setup_peers.sh && git worktree add --detach {args.before} 9fd7123 && .venv/bin/python bench/lora.py "
         f"--rounds {args.rounds} --tokens {args.tokens} --streams {args.streams} --ctx {args.ctx} "
-        f"--scale {args.scale:g} --before {args.before} --quiet {args.quiet} --retries {args.retries} "
+        f"--scale {args.scale:g} --before {args.before} {shared}--quiet {args.quiet} --retries {args.retries} "
         f"--configs {args.configs}" + (f" --write {args.write}" if args.write else "")
     )
 
@@ -392,9 +401,9 @@ def _ratio(a: list[float], b: list[float]) -> str:
 
 def render(args: argparse.Namespace, keys: list[str], results: dict[str, list[Burst]], quiet: Any) -> list[str]:
     labels = {
-        "before": f"corral before issue 29 (`{args.before.name}`): a runner per model, {args.streams // ADAPTERS} "
-        "slots each",
-        "shared": f"corral, shared runner: one runner, {args.streams} slots",
+        "before": f"corral before issue 29 ({revision(args.before)}): a runner per model, "
+        f"{args.streams // ADAPTERS} slots each",
+        "shared": f"corral with the shared runner ({revision(args.shared)}): {args.streams} slots",
         "llama-server": f"llama-server, `--lora` x{ADAPTERS}, per-request `lora`, `-np {args.streams}`",
     }
     lines = [
@@ -484,6 +493,13 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=2048, help="num_ctx of each slot")
     ap.add_argument("--scale", type=float, default=0.3, help="write_lora_gguf's scale for the adapters")
     ap.add_argument("--before", type=Path, default=Path("/tmp/corral-before"), help="corral checkout before issue 29")
+    ap.add_argument(
+        "--shared",
+        type=Path,
+        default=batching.REPO,
+        help="corral checkout with the shared runner (default: this one; a worktree of a commit keeps others' "
+        "uncommitted edits out)",
+    )
     ap.add_argument(
         "--quiet",
         type=float,
