@@ -66,7 +66,7 @@ import speculative
 from tests.models import write_lora_gguf
 
 CACHE = Path(os.environ.get("CORRAL_BENCH_DIR", Path.home() / ".cache" / "corral-bench"))
-HEAD = "## Many LoRA adapters on one base (issue 29)"
+TITLE = "## Many LoRA adapters on one base (issue 29)"
 PEER = batching.SDIST / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
 ADAPTERS = 4
 CONFIGS = ("before", "shared", "llama-server")
@@ -85,6 +85,27 @@ def adapter_paths(base: Path, scale: float) -> list[Path]:
             print(f"wrote {path}", flush=True)
         out.append(path)
     return out
+
+
+def kv_bytes(base: Path, cells: int) -> int:
+    """The f16 K and V cache of ``cells`` positions of the model in ``base``, from its GGUF header."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(base)).fields
+    arch = fields["general.architecture"].contents()
+
+    def get(key: str, default: int | None = None) -> int:
+        f = fields.get(f"{arch}.{key}")
+        if f is None:
+            if default is None:
+                sys.exit(f"{base}: no {arch}.{key} in its header")
+            return default
+        return int(f.contents())
+
+    head = get("embedding_length") // get("attention.head_count")
+    k = get("attention.key_length", head) * get("attention.head_count_kv")
+    v = get("attention.value_length", head) * get("attention.head_count_kv")
+    return get("block_count") * (k + v) * 2 * cells
 
 
 @dataclass
@@ -370,10 +391,10 @@ def run(args: argparse.Namespace) -> None:
                 ),
                 flush=True,
             )
-    lines = render(args, keys, results, quiet)
+    lines = render(args, keys, results, quiet, kv_bytes(base, args.ctx * args.streams))
     print("\n".join(lines))
     if args.write:
-        batching.write_section(args.write, lines, HEAD)
+        batching.write_section(args.write, lines, heading(args))
 
 
 def revision(checkout: Path) -> str:
@@ -399,7 +420,14 @@ def _ratio(a: list[float], b: list[float]) -> str:
     return f"{statistics.median(rs):.2f}" if rs else "-"
 
 
-def render(args: argparse.Namespace, keys: list[str], results: dict[str, list[Burst]], quiet: Any) -> list[str]:
+def heading(args: argparse.Namespace) -> str:
+    """The section's title: a run at another num_ctx or stream count is a section of its own."""
+    return f"{TITLE}, {args.streams} streams, num_ctx {args.ctx}"
+
+
+def render(
+    args: argparse.Namespace, keys: list[str], results: dict[str, list[Burst]], quiet: Any, kv: int
+) -> list[str]:
     labels = {
         "before": f"corral before issue 29 ({revision(args.before)}): a runner per model, "
         f"{args.streams // ADAPTERS} slots each",
@@ -407,7 +435,7 @@ def render(args: argparse.Namespace, keys: list[str], results: dict[str, list[Bu
         "llama-server": f"llama-server, `--lora` x{ADAPTERS}, per-request `lora`, `-np {args.streams}`",
     }
     lines = [
-        HEAD,
+        heading(args),
         "",
         f"Command: `{command(args)}`",
         "",
@@ -467,6 +495,14 @@ def render(args: argparse.Namespace, keys: list[str], results: dict[str, list[Bu
             value = float(_ratio(mine, theirs))
             met = value <= target if op == "<=" else value >= target
             lines.append(f"| {what} | {value:.2f} | {op} {target:g} | {'yes' if met else '**no**'} |")
+        less = _ratio([b.pss - kv for b in shared], [b.pss - kv for b in before])
+        lines += [
+            "",
+            f"Both corrals (and llama-server) hold the same KV cache: {args.streams} slots x {args.ctx} positions, "
+            f"f16, {kv / 2**20:.0f} MiB in all, which the shared runner cannot share. Less that cache, the shared "
+            f"runner's PSS is **{less}x** the four runners' (the base's weights, llama.cpp's buffers and a Python "
+            "interpreter held once instead of four times).",
+        ]
     ref = results[keys[0]][-1].answers
     first = plan(args.streams)
     by_prompt: dict[str, set[str]] = {}
