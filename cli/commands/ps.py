@@ -80,8 +80,8 @@ def ps(
 
 
 def notes(models: list[dict[str, Any]], prefix: str | None = None) -> list[str]:
-    """Below the table: the names sharing a runner, the draft model loaded with a model, and a safer
-    configuration corral chose after a crash."""
+    """Below the table: the names sharing a runner, the LoRA adapters it has loaded, the draft model loaded with a
+    model, and a safer configuration corral chose after a crash."""
     out = []
     for m in models:
         name = str(m.get("name") or m.get("model") or "")
@@ -90,6 +90,12 @@ def notes(models: list[dict[str, Any]], prefix: str | None = None) -> list[str]:
         others = [n for n in m.get("names") or [] if n != name]
         if others:
             out.append(f"{name} also serves {', '.join(others)} (the same weights, one runner)")
+        adapters = [a for a in m.get("adapters") or [] if isinstance(a, dict)]
+        if adapters:
+            out.append(
+                f"{name} has {len(adapters)} LoRA adapter{'s' if len(adapters) != 1 else ''} loaded: "
+                f"{adapters_note(adapters)} (one runner of the base; their memory is in SIZE)"
+            )
         if m.get("draft_model"):
             out.append(f"{name} drafts with {m['draft_model']} (speculative decoding; its memory is in SIZE)")
         if m.get("fallback"):
@@ -98,6 +104,16 @@ def notes(models: list[dict[str, Any]], prefix: str | None = None) -> list[str]:
         if isinstance(kv, dict) and (not kv.get("enabled") or kv.get("entries") or kv.get("hits") or kv.get("misses")):
             out.append(f"{name} {kv_disk_note(kv)}")  # an empty cache nothing has asked yet says nothing
     return [""] + out if out else []
+
+
+def adapters_note(adapters: list[dict[str, Any]]) -> str:
+    """Each loaded adapter by its digest's first 12 characters, with the models that use it."""
+    parts = []
+    for a in adapters:
+        digest = str(a.get("digest") or "").removeprefix("sha256:")[:12] or "?"
+        models = [str(n) for n in a.get("models") or [a.get("model")] if n]
+        parts.append(f"{digest} for {', '.join(models)}" if models else digest)
+    return "; ".join(parts)
 
 
 def kv_disk_note(kv: dict[str, Any]) -> str:

@@ -10,6 +10,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -18,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from daemon.chat.pipeline import ChatModel
 from daemon.models.catalog import Catalog
 from daemon.models.draft import Draft, check_vocabulary, draft_option, find_draft
-from daemon.runners.base import LoadSpec, SampleParams
-from daemon.scheduling.scheduler import Lease, ModelRef, Scheduler
+from daemon.runners.base import LoadSpec, MemoryUse, SampleParams
+from daemon.scheduling.scheduler import Adapter, Lease, ModelRef, Scheduler
 from daemon.settings import Settings, SettingsError, parse_duration
 from errors import CorralError, InvalidRequest
 from modelfile.params import DEFAULT_OPTIONS, DEPRECATED_OPTIONS, OPTION_TYPES, check_value, validate_options
@@ -88,6 +89,7 @@ class ModelContext:
     details: dict[str, Any] = field(default_factory=dict)
     chat: ChatModel = field(default_factory=ChatModel)  # template, renderer and parser: how it chats
     projector_path: Path | None = None  # the vision projector (mmproj) blob, loaded with the model
+    adapter_bytes: tuple[int, ...] = ()  # each adapter's file size, in ``adapters`` order (its memory, once loaded)
 
     @property
     def projector_memory(self) -> int:
@@ -104,10 +106,21 @@ class ModelContext:
 
     @property
     def ref(self) -> ModelRef:
-        # the key is the weights, not the name: names that resolve to the same model file and adapters (a copy, a
-        # Modelfile that only changes SYSTEM, TEMPLATE, PARAMETER or MESSAGE) share one runner, counted once. The
-        # projector is part of it: the same weights with another projector (or none) see images differently
-        parts = [self.model_path.name, *(Path(a).name for a in self.adapters)]
+        """The model's generation runner: the key is the base weights, not the name nor the adapters. Names that
+        resolve to the same model file (a copy, a Modelfile that only changes SYSTEM, TEMPLATE, PARAMETER or
+        MESSAGE, or one that adds ADAPTERs: the runner applies them per request, issue 29) share one runner, with
+        the base's weights counted once. The projector is part of it: the same weights with another projector
+        (or none) see images differently."""
+        return self._ref(with_adapters=False)
+
+    @property
+    def embedding_ref(self) -> ModelRef:
+        """The model's embedding runner: llama.cpp's high-level API applies adapters to the whole model at load,
+        so they are part of what it is loaded for."""
+        return self._ref(with_adapters=True)
+
+    def _ref(self, *, with_adapters: bool) -> ModelRef:
+        parts = [self.model_path.name, *(Path(a).name for a in self.adapters if with_adapters)]
         if self.projector_path is not None:
             parts.append(f"mmproj:{self.projector_path.name}")
         weights = "+".join(parts)
@@ -186,12 +199,13 @@ class Inference:
         layers_of(info)  # the per-layer sums, once, here in the thread pool: load_spec then runs in O(1) per estimate
         template = self.catalog.template_text(manifest)
         projector = manifest.first(MEDIA_PROJECTOR)
+        adapter_layers = manifest.layers_of(MEDIA_ADAPTER)
         mctx = ModelContext(
             raw=raw,
             name=stored.name,
             stored=stored,
             model_path=self.catalog.store.blob_path(layer.digest),
-            adapters=tuple(str(self.catalog.store.blob_path(a.digest)) for a in manifest.layers_of(MEDIA_ADAPTER)),
+            adapters=tuple(str(self.catalog.store.blob_path(a.digest)) for a in adapter_layers),
             info=info,
             template=template,
             system=self.catalog.system_text(manifest),
@@ -201,6 +215,7 @@ class Inference:
             details=self.catalog.details(manifest),
             chat=self.catalog.chat_model(manifest, template, info),
             projector_path=None if projector is None else self.catalog.store.blob_path(projector.digest),
+            adapter_bytes=tuple(_adapter_size(self.catalog.store.blob_path(a.digest), a.size) for a in adapter_layers),
         )
         mctx.projector_memory  # noqa: B018 - read its header here, in the thread pool, not in load_spec
         if draft_option(mctx.params) and "completion" in mctx.capabilities:
@@ -347,7 +362,10 @@ class Inference:
         kv_disk = not embedding and self.settings.kv_disk > 0 and kv_dir is not None
         return LoadSpec(
             model_path=str(ctx.model_path),
-            adapters=ctx.adapters,
+            # a generation runner is loaded with the base alone and applies adapters per request
+            # (GenerateRequest.adapters), so every model over this base shares it; an embedding runner (llama.cpp's
+            # high-level API) is loaded with them
+            adapters=ctx.adapters if embedding else (),
             num_ctx=num_ctx,
             num_batch=num_batch,
             num_gpu=num_gpu,
@@ -363,18 +381,20 @@ class Inference:
             projector_path="" if embedding else _projector_of(ctx),
             kv_disk_dir=str(kv_dir) if kv_disk else "",
             kv_disk_bytes=self.settings.kv_disk if kv_disk else 0,
-            kv_key=self.kv_key_for(ctx, kv_type, flash_attn) if kv_disk else "",
+            kv_key=self.kv_key_for(ctx, kv_type, flash_attn) if kv_disk else "",  # the base's, shared
             draft_path="" if draft is None else str(draft.path),
             draft_num_gpu=draft_gpu,
         )
 
     def kv_key_for(self, ctx: ModelContext, kv_type: str, flash_attn: str) -> str:
         """The daemon's part of the prompt cache's key (``LoadSpec.kv_key``): canonical JSON of everything of the
-        model's that makes its KV state valid: the model, adapter and projector blob digests, the KV cache type,
-        flash attention (the V cache's layout) and the model's rope and context metadata. Remembered per model
+        runner's that makes its KV state valid: the model and projector blob digests, the KV cache type, flash
+        attention (the V cache's layout) and the model's rope and context metadata. The key is the base's (no
+        adapters, ``"adapters": []``): a generation runner is shared by every model over its base, and KV computed
+        under an adapter never goes to the disk cache (the runner keeps it apart, issue 29). Remembered per model
         file (it runs on every request)."""
         projector = _projector_of(ctx)
-        memo = (str(ctx.model_path), projector, kv_type, flash_attn, *ctx.adapters)
+        memo = (str(ctx.model_path), projector, kv_type, flash_attn)
         key = self._kv_keys.get(memo)
         if key is None:
             arch = ctx.info.architecture
@@ -386,7 +406,7 @@ class Inference:
             key = json.dumps(
                 {
                     "model": _blob_digest(str(ctx.model_path)),
-                    "adapters": [_blob_digest(a) for a in ctx.adapters],
+                    "adapters": [],  # the base's KV alone (see above)
                     "projector": _blob_digest(projector) if projector else "",
                     "rope": rope,
                     "kv_type": kv_type,
@@ -548,10 +568,72 @@ class Inference:
             draft_ngram=int(opts.get("draft_ngram", DEFAULT_OPTIONS["draft_ngram"])),
         )
 
-    async def acquire(self, ctx: ModelContext, spec: LoadSpec, keep_alive: float | None) -> Lease:
-        ref = ctx.ref
+    # -- LoRA adapters (issue 29) ------------------------------------------------------------------------------
+    def adapters_for(self, ctx: ModelContext, opts: dict[str, Any]) -> tuple[tuple[str, float], ...]:
+        """``GenerateRequest.adapters`` for a generation of ``ctx``: (adapter blob path, scale) in the model's
+        ADAPTER order, each at scale 1.0, entries at scale 0 left out."""
+        del opts  # per-request scales (llama-server's ``lora``) are merged here once they are parsed
+        pairs = tuple((path, 1.0) for path in ctx.adapters)
+        return tuple((path, scale) for path, scale in pairs if scale != 0)
+
+    def adapter_uses(
+        self, ctx: ModelContext, spec: LoadSpec, adapters: tuple[tuple[str, float], ...]
+    ) -> tuple[Adapter, ...]:
+        """The adapters a request applies, for the scheduler: each one's digest and what it adds to the runner's
+        memory: its file size (its tensors, F32/F16 as stored), on the devices of the layers it patches, so in
+        VRAM in the share of the model's layers offloaded (``spec.num_gpu`` of ``n_layer + 1``)."""
+        sizes = dict(zip(ctx.adapters, ctx.adapter_bytes, strict=False))
+        layers = max(1, ctx.info.block_count + 1) if spec.num_gpu else 1
+        on_gpu = 0.0 if spec.num_gpu == 0 or self.vram_budget <= 0 else min(1.0, spec.num_gpu / layers)
+        out = []
+        for path, _scale in adapters:
+            size = sizes.get(path, 0)
+            vram = int(size * on_gpu)
+            out.append(Adapter(path=path, digest=_blob_digest(path), memory=MemoryUse(ram=size - vram, vram=vram)))
+        return tuple(out)
+
+    def adapter_blobs(self, raw: str) -> list[Digest]:
+        """The adapter blobs of the model ``raw`` names now ([] when there is none: a create that makes it anew)."""
+        try:
+            manifest = self.catalog.get(raw).manifest
+        except CorralError:
+            return []
+        return [layer.digest for layer in manifest.layers_of(MEDIA_ADAPTER)]
+
+    async def drop_adapters(self, digests: Iterable[Digest]) -> list[str]:
+        """Free on the loaded runners the adapters among ``digests`` (blobs of models just deleted or replaced) that
+        no model in the store uses any more; an adapter another model still uses stays loaded. Returns the adapter
+        paths the runners were asked to free."""
+        from starlette.concurrency import run_in_threadpool
+
+        candidates = set(digests)
+        if not candidates:
+            return []
+        store = self.catalog.store
+        try:
+            gone = candidates - await run_in_threadpool(store.referenced_blobs)
+            if not gone:
+                return []
+            return await self.scheduler.drop_adapters(str(store.blob_path(d)) for d in gone)
+        except Exception as exc:  # noqa: BLE001 - the delete or create is done: a runner keeps them, no error
+            log.warning("adapters of a deleted or replaced model not freed: %s", exc)
+            return []
+
+    async def acquire(
+        self,
+        ctx: ModelContext,
+        spec: LoadSpec,
+        keep_alive: float | None,
+        *,
+        adapters: tuple[tuple[str, float], ...] = (),
+    ) -> Lease:
+        """A lease on the runner for ``spec``. ``adapters``: the request's ``GenerateRequest.adapters`` (counted
+        once in that runner's memory, from the first request that applies each)."""
+        ref = ctx.embedding_ref if spec.embedding else ctx.ref
         if spec.draft_path:  # /api/ps names the draft model with the model
             ref = dataclasses.replace(ref, draft=self.draft_name(spec.draft_path))
+        if adapters and not spec.embedding:
+            ref = dataclasses.replace(ref, adapters=self.adapter_uses(ctx, spec, adapters))
         return await self.scheduler.acquire(ref, spec, keep_alive)
 
 
@@ -559,6 +641,14 @@ def _projector_of(ctx: ModelContext) -> str:
     """The model's projector blob path, "" for none (contexts built without the field, as tests' fakes, have none)."""
     path = getattr(ctx, "projector_path", None)
     return "" if path is None else str(path)
+
+
+def _adapter_size(path: Path, size: int) -> int:
+    """An adapter blob's size: the file's, else the manifest's."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return max(0, int(size))
 
 
 def _blob_digest(path: str) -> str:

@@ -275,10 +275,17 @@ async def run_generate(inf: Inference, call: GenerateCall, started: float) -> Ru
     if not call.raw:
         pipeline.rendered(parser, chat, text)
     text, ordered = media.media_prompt(text, images)
+    adapters = inf.adapters_for(ctx, opts)  # LoRA adapters, applied by the base's runner to this sequence
     greq = GenerateRequest(
-        prompt=text, params=params, context=call.context, shift=call.shift, truncate=call.truncate, images=ordered
+        prompt=text,
+        params=params,
+        context=call.context,
+        shift=call.shift,
+        truncate=call.truncate,
+        images=ordered,
+        adapters=adapters,
     )
-    lease = await inf.acquire(ctx, inf.load_spec(ctx, opts), keep_alive)
+    lease = await inf.acquire(ctx, inf.load_spec(ctx, opts), keep_alive, adapters=adapters)
     events = _events(
         lease, greq, EventStream(parser, None), started, with_context=not call.raw, speculative=speculating(opts)
     )
@@ -354,10 +361,11 @@ class _Chat:
         self.opts, self.spec, self.keep_alive, self.started = opts, spec, keep_alive, started
         self.msgs, self.images = media.number_images(build_messages(ctx, call.messages))
         self.forced = bool(call.tools) and pipeline.is_call_schema(call.format)
+        self.adapters = inf.adapters_for(ctx, opts)  # LoRA adapters, applied by the base's runner to this sequence
 
     async def prompt(self, msgs: list[Message], tools: list[Tool] | None) -> tuple[Lease, str]:
         """A lease on the runner and the prompt rendered (fitted into num_ctx by the runner's tokenizer)."""
-        lease = await self.inf.acquire(self.ctx, self.spec, self.keep_alive)
+        lease = await self.inf.acquire(self.ctx, self.spec, self.keep_alive, adapters=self.adapters)
         try:
             text = await render_chat(
                 lease, self.ctx, msgs, tools or None, self.spec.num_ctx, self.call.truncate, self.think
@@ -371,7 +379,12 @@ class _Chat:
         text, ordered = media.media_prompt(text, self.images)
         params = _params(self.inf, self.opts, self.call, fmt)
         return GenerateRequest(
-            prompt=text, params=params, shift=self.call.shift, truncate=self.call.truncate, images=ordered
+            prompt=text,
+            params=params,
+            shift=self.call.shift,
+            truncate=self.call.truncate,
+            images=ordered,
+            adapters=self.adapters,
         )
 
     async def start(self, count_prompt: bool) -> Run:

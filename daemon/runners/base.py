@@ -236,6 +236,10 @@ class Runner(Protocol):
     async def erase_slot(self, slot: int) -> SlotResult:
         """Empty ``slot``'s KV cache. Raises SlotRefused or SlotBusy."""
 
+    async def drop_adapters(self, paths: tuple[str, ...]) -> tuple[str, ...]:
+        """Free the LoRA adapters at ``paths`` (each once no sequence uses it, at once if none does) and return the
+        paths of the adapters loaded after that, those still in use included (``AdaptersOp``, issue 29)."""
+
     @property
     def kv_disk(self) -> KVDiskInfo | None:
         """The runner's prompt cache on disk as its last :meth:`slots` answer reported it (None before one, or for a

@@ -46,6 +46,8 @@ from daemon.runners.base import (
 from daemon.runners.protocol import (
     HEADER,
     MAX_FRAME,
+    AdaptersOp,
+    AdaptersReply,
     BatchReply,
     Call,
     CancelOp,
@@ -413,6 +415,11 @@ class ProcessRunner:
     async def erase_slot(self, slot: int) -> SlotResult:
         msg = await self._slot_call(lambda rid: SlotEraseOp(rid, slot), SlotErasedReply)
         return SlotResult(msg.slot, msg.n_erased)
+
+    async def drop_adapters(self, paths: tuple[str, ...]) -> tuple[str, ...]:
+        """Free the LoRA adapters at ``paths`` once no sequence uses them; the adapters loaded after that (the
+        runner loads an adapter the first time a request names it: ``GenerateRequest.adapters``)."""
+        return (await self._call(lambda rid: AdaptersOp(rid, tuple(paths)), AdaptersReply)).loaded
 
     async def _slot_call(self, op: Callable[[int], Call], answer: type[_R]) -> _R:
         """A slot action: the runner's refusals become the slot errors their status names (``SLOT_ERRORS``)."""

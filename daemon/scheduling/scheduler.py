@@ -14,13 +14,13 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from daemon.exits import signal_name
 from daemon.runners.base import LoadFailed, LoadSpec, MemoryUse, Runner, RunnerCrashed, RunnerError
-from daemon.scheduling.eviction import Budget, Loaded, decide
+from daemon.scheduling.eviction import Budget, Decision, Loaded, decide
 from daemon.scheduling.fallback import Fallbacks
 from errors import CorralError
 
@@ -46,12 +46,14 @@ class QueueFull(SchedulerError):
 class InsufficientMemory(SchedulerError):
     status = 500
 
-    def __init__(self, name: str, need: MemoryUse, budget: Budget, *, draft: str = "") -> None:
+    def __init__(self, name: str, need: MemoryUse, budget: Budget, *, draft: str = "", adapters: int = 0) -> None:
         which = "RAM" if need.ram > budget.ram else "VRAM"
         needed, have = (need.ram, budget.ram) if which == "RAM" else (need.vram, budget.vram)
         var = "CORRAL_RAM_BUDGET" if which == "RAM" else "CORRAL_VRAM_BUDGET"
         # a draft model (speculative decoding) is counted with the model: running without it is one way out
         with_draft = f" with its draft model '{draft}'" if draft else ""
+        if adapters:  # LoRA adapters (issue 29) are counted with the runner of their base that loads them
+            with_draft += f" with its {adapters} LoRA adapter{'s' if adapters != 1 else ''}"
         without = 'run it without its draft model (options.draft_model ""), ' if draft else ""
         super().__init__(
             f"model '{name}'{with_draft} needs {needed} bytes ({needed / 2**30:.2f} GiB) of {which} but the {which} "
@@ -63,14 +65,36 @@ class InsufficientMemory(SchedulerError):
 
 
 @dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter a request applies on its runner (issue 29): the runner loads it once, the first time a request
+    names it, and keeps it; it is counted once in that runner's memory, whichever models use it."""
+
+    path: str  # the adapter's blob
+    digest: str = ""  # sha256:<hex>, as /api/ps shows it
+    memory: MemoryUse = MemoryUse(0, 0)  # what loading it adds (its tensors, on the model's devices)
+
+
+@dataclass(frozen=True)
 class ModelRef:
     """What the scheduler needs to know about a model besides its LoadSpec."""
 
-    key: str  # what a runner is loaded for: the weights (model file and adapters), shared by every alias of them
+    # what a runner is loaded for: the weights (the model file; with its adapters for an embedding runner), shared
+    # by every alias of them and, for generation, by every model over the same base that differs only by ADAPTERs
+    key: str
     name: str  # short display name
     digest: str = ""
     details: dict[str, Any] = field(default_factory=dict)
     draft: str = ""  # the draft model's name (speculative decoding, LoadSpec.draft_path), "" for none
+    adapters: tuple[Adapter, ...] = ()  # the LoRA adapters this request applies (GenerateRequest.adapters)
+
+
+@dataclass
+class HeldAdapter:
+    """An adapter a runner has loaded (or is loading for a request): its memory, and the models that used it."""
+
+    adapter: Adapter
+    models: dict[str, float] = field(default_factory=dict)  # model name -> last use
+    dropping: bool = False  # asked to be freed while a sequence used it: gone once the runner is idle
 
 
 @dataclass
@@ -92,6 +116,7 @@ class Entry:
     fallback: str | None = None  # why ``effective`` differs from ``spec``, as ps shows it
     names: dict[str, float] = field(default_factory=dict)  # the model names served by this runner, last use
     crash_counted: bool = False
+    adapters: dict[str, HeldAdapter] = field(default_factory=dict)  # LoRA adapters loaded, by path (issue 29)
 
     @property
     def loaded_spec(self) -> LoadSpec:
@@ -239,8 +264,12 @@ class Scheduler:
             if entry.loading and entry.ready is not None:
                 await asyncio.shield(entry.ready)
             if self._loaded.get(ref.key) is entry and entry.runner.alive():
-                self._grant(entry, keep_alive, ref)
-                return Lease(self, entry, self.clock() - started, ref=ref, spec=spec, keep_alive=keep_alive)
+                # adapters this runner has not loaded yet are granted here when they fit; otherwise the worker
+                # makes room for them (or says they cannot fit)
+                extra = self._new_adapters(entry, ref)
+                if extra.total == 0 or self._adapters_fit(entry, extra).action == "load":
+                    self._grant(entry, keep_alive, ref)
+                    return Lease(self, entry, self.clock() - started, ref=ref, spec=spec, keep_alive=keep_alive)
         future: asyncio.Future[Entry] = asyncio.get_running_loop().create_future()
         try:
             self._queue.put_nowait(_Pending(ref, spec, keep_alive, future))
@@ -310,6 +339,87 @@ class Scheduler:
             entry.timer.cancel()
             entry.timer = None
         entry.expires_at = None
+        if ref is not None:
+            for adapter in ref.adapters:  # counted once per runner, from the first request that applies it
+                held = entry.adapters.get(adapter.path)
+                if held is None:
+                    held = entry.adapters[adapter.path] = HeldAdapter(adapter)
+                    entry.memory = _plus(entry.memory, adapter.memory)
+                    log.info(
+                        "adapter added model=%s adapter=%s ram=%d vram=%d",
+                        ref.name,
+                        adapter.digest or adapter.path,
+                        adapter.memory.ram,
+                        adapter.memory.vram,
+                    )
+                held.dropping = False
+                held.models[ref.name] = entry.last_used
+
+    # -- LoRA adapters on a shared runner (issue 29) ------------------------------------------------------------
+    def _new_adapters(self, entry: Entry, ref: ModelRef) -> MemoryUse:
+        """What the adapters ``ref`` applies that ``entry``'s runner has not loaded add to its memory."""
+        extra = MemoryUse(0, 0)
+        for adapter in ref.adapters:
+            if adapter.path not in entry.adapters:
+                extra = _plus(extra, adapter.memory)
+        return extra
+
+    def _adapters_fit(self, entry: Entry, extra: MemoryUse) -> Decision:
+        """The eviction policy's answer for ``entry`` grown by ``extra``, beside the other loaded runners."""
+        others = [view for view in self._views() if view.key != entry.ref.key]
+        return decide(others, _plus(entry.memory, extra), self._budget())
+
+    async def drop_adapters(self, paths: Iterable[str]) -> list[str]:
+        """Free the adapters at ``paths`` on every runner that loaded them (the models using them were deleted or
+        replaced): each runner frees an adapter once no sequence uses it, and its memory stops counting then
+        (at once, or when the runner next goes idle). Other streams carry on. Returns the paths asked of a runner."""
+        wanted = set(paths)
+        asked: list[str] = []
+        for entry in list(self._loaded.values()):
+            mine = tuple(path for path in entry.adapters if path in wanted)
+            if not mine:
+                continue
+            if not entry.runner.alive():
+                for path in mine:
+                    self._forget_adapter(entry, path)
+                continue
+            try:
+                loaded = set(await entry.runner.drop_adapters(mine))
+            except CorralError as exc:  # the runner could not say: keep counting them, it may still hold them
+                log.warning("adapters not freed model=%s error=%s", entry.ref.name, exc)
+                continue
+            asked.extend(mine)
+            for path in mine:
+                held = entry.adapters.get(path)
+                if held is None:
+                    continue
+                if path in loaded:  # a sequence still uses it: the runner frees it when that ends
+                    held.dropping = True
+                else:
+                    self._forget_adapter(entry, path)
+            if entry.refs == 0:
+                self._forget_dropped(entry)
+        self._changed.set()
+        return asked
+
+    def _forget_adapter(self, entry: Entry, path: str) -> None:
+        held = entry.adapters.pop(path, None)
+        if held is None:
+            return
+        memory = held.adapter.memory
+        entry.memory = MemoryUse(max(0, entry.memory.ram - memory.ram), max(0, entry.memory.vram - memory.vram))
+        log.info(
+            "adapter freed model=%s adapter=%s ram=%d vram=%d",
+            entry.ref.name,
+            held.adapter.digest or path,
+            memory.ram,
+            memory.vram,
+        )
+
+    def _forget_dropped(self, entry: Entry) -> None:
+        """The runner is idle: the adapters it was asked to free once unused are gone now."""
+        for path in [p for p, held in entry.adapters.items() if held.dropping]:
+            self._forget_adapter(entry, path)
 
     def release(self, entry: Entry) -> None:
         """One hold on ``entry`` ends (``Lease.release``): when it was the last, its keep-alive starts."""
@@ -318,6 +428,7 @@ class Scheduler:
         self._changed.set()
         if entry.refs > 0 or self._loaded.get(entry.ref.key) is not entry:
             return
+        self._forget_dropped(entry)
         if not entry.runner.alive():
             self._note_crash(entry)
         if entry.keep_alive <= 0 or entry.unload_when_idle or not entry.runner.alive():
@@ -383,6 +494,26 @@ class Scheduler:
                     if entry.loading and entry.ready is not None:
                         await asyncio.shield(entry.ready)
                         continue
+                    extra = self._new_adapters(entry, p.ref)
+                    if extra.total > 0:  # adapters new to this runner: room for them beside the others
+                        grow = self._adapters_fit(entry, extra)
+                        if grow.action == "never":
+                            p.future.set_exception(
+                                InsufficientMemory(
+                                    p.ref.name,
+                                    _plus(entry.memory, extra),
+                                    self._budget(),
+                                    draft=p.ref.draft,
+                                    adapters=len(p.ref.adapters),
+                                )
+                            )
+                            return
+                        if grow.action == "evict":
+                            await self._evict(grow.victims)
+                            continue
+                        if grow.action == "wait":
+                            await self._wait_change()
+                            continue
                     self._grant(entry, p.keep_alive, p.ref)
                     p.future.set_result(entry)
                     return
@@ -397,21 +528,32 @@ class Scheduler:
             if p.future.done():
                 return
             budget = self._budget()
-            decision = decide(self._views(), need, budget)
+            # the runner with the adapters this request applies (counted on the entry when it is granted)
+            with_adapters = need
+            for adapter in p.ref.adapters:
+                with_adapters = _plus(with_adapters, adapter.memory)
+            decision = decide(self._views(), with_adapters, budget)
             if decision.action == "never":
-                p.future.set_exception(InsufficientMemory(p.ref.name, need, budget, draft=p.ref.draft))
+                p.future.set_exception(
+                    InsufficientMemory(
+                        p.ref.name, with_adapters, budget, draft=p.ref.draft, adapters=len(p.ref.adapters)
+                    )
+                )
                 return
             if decision.action == "evict":
-                for key in decision.victims:
-                    victim = self._loaded.get(key)
-                    if victim is not None and victim.refs == 0 and not victim.loading:
-                        await self._unload(victim, reason="evicted")
+                await self._evict(decision.victims)
                 continue
             if decision.action == "wait":
                 await self._wait_change()
                 continue
             await self._load(p, need)
             return
+
+    async def _evict(self, victims: Iterable[str]) -> None:
+        for key in victims:
+            victim = self._loaded.get(key)
+            if victim is not None and victim.refs == 0 and not victim.loading:
+                await self._unload(victim, reason="evicted")
 
     async def _wait_change(self) -> None:
         self._changed.clear()
@@ -541,3 +683,7 @@ class Scheduler:
         entry.crash_counted = True
         what = f"killed by {signal_name(sig)}" if sig else "the runner exited"
         self.fallbacks.late_crash(entry.loaded_spec, entry.ref.name, what, sig)
+
+
+def _plus(a: MemoryUse, b: MemoryUse) -> MemoryUse:
+    return MemoryUse(ram=a.ram + b.ram, vram=a.vram + b.vram)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -22,9 +22,14 @@ router = APIRouter()
 async def create(request: Request) -> Response:
     req = await read_model(request, CreateRequest)
     note(model=req.model_name)
+    inference = request.app.state.inference
+    replaced = await run_in_threadpool(inference.adapter_blobs, req.model_name)  # a model replaced: its adapters
     creator = Creator(request.app.state.catalog, prune=not request.app.state.settings.noprune)
     it = _Closing(await run_in_threadpool(creator.run, req), creator)
-    return _CloseAfter(await progress_response(it, stream=req.stream), it)
+    done = _CloseAfter(await progress_response(it, stream=req.stream), it)
+    if replaced:  # once written, the adapters the new model does not use (nor any other) are freed (issue 29)
+        done.after = lambda: inference.drop_adapters(replaced)
+    return done
 
 
 class _Closing:
@@ -62,6 +67,7 @@ class _CloseAfter(Response):
         self.inner = inner
         self.it = it
         self.status_code = inner.status_code
+        self.after: Callable[[], Awaitable[Any]] | None = None  # run once the response is over
 
     @property
     def headers(self) -> Any:
@@ -80,3 +86,5 @@ class _CloseAfter(Response):
             await self.inner(scope, receive, send)
         finally:
             threading.Thread(target=self.it.close, name="create-close", daemon=True).start()
+            if self.after is not None:
+                await self.after()

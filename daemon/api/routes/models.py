@@ -48,5 +48,7 @@ async def copy(request: Request) -> Response:
 async def delete(request: Request) -> Response:
     req = await read_model(request, DeleteRequest)
     note(model=req.model_name)
-    await run_in_threadpool(catalog(request).delete, req.model_name)
+    removed = await run_in_threadpool(catalog(request).delete, req.model_name)
+    # a LoRA adapter no model uses any more is freed on the runners that loaded it (issue 29); streams go on
+    await request.app.state.inference.drop_adapters(removed)
     return Response(status_code=200)

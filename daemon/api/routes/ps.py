@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 
 from daemon.runners import kvstore
 from daemon.runners.base import KVDiskInfo, Runner
+from daemon.scheduling.scheduler import HeldAdapter
 from daemon.settings import Settings
 from errors import CorralError
 
@@ -33,6 +34,24 @@ async def _slots(runner: Runner) -> list[dict[str, Any]] | None:
     except (TimeoutError, CorralError):
         return None
     return [{"id": s.id, "busy": s.busy, "cached_tokens": s.cached_tokens} for s in slots]
+
+
+def adapters_json(adapters: dict[str, HeldAdapter]) -> list[dict[str, Any]]:
+    """A runner's loaded LoRA adapters for /api/ps, in the order they were loaded: each one's blob digest, bytes
+    counted, and the models that applied it (``model``: the last one; ``models``: all, last used first)."""
+    out = []
+    for held in adapters.values():
+        models = sorted(held.models, key=lambda n: -held.models[n])
+        out.append(
+            {
+                "model": models[0] if models else "",
+                "models": models,
+                "digest": held.adapter.digest,
+                "size": held.adapter.memory.total,
+                "size_vram": held.adapter.memory.vram,
+            }
+        )
+    return out
 
 
 def kv_disk_json(kv: KVDiskInfo | None) -> dict[str, Any] | None:
@@ -76,6 +95,8 @@ async def ps(request: Request) -> dict[str, Any]:
                 "flash_attention": e.spec.flash_attn,  # corral: as loaded
                 "num_parallel": e.spec.num_parallel,  # corral: sequence slots batched together in this runner
                 "names": sorted(e.names, key=lambda n: -e.names[n]),  # corral: every name this runner serves
+                # corral: the LoRA adapters this runner has loaded (issue 29; their memory is in size/size_vram)
+                **({"adapters": adapters_json(e.adapters)} if e.adapters else {}),
                 # corral: the draft model loaded beside it (speculative decoding; its memory is in size/size_vram)
                 **({"draft_model": e.ref.draft or Path(e.spec.draft_path).name} if e.spec.draft_path else {}),
                 **({"fallback": e.fallback} if e.fallback else {}),  # corral: the safer configuration in force, and why
