@@ -76,6 +76,9 @@ PROMPT_TOO_LONG = (
 TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
 
 Emit = Callable[[list[Reply]], None]
+# The LoRA adapters a sequence is computed under: (adapter path, scale) pairs in order; () for the base model alone.
+# KV computed under one set is never reused under another.
+AdapterSet = tuple[tuple[str, float], ...]
 
 
 SAVE_MIN_TOKENS = 64  # a slot's tail shorter than this is cheaper to evaluate again than to save and restore
@@ -131,6 +134,7 @@ class Saved:
     buffer: np.ndarray  # its first ``size`` bytes are from llama_state_seq_get_data; recycled when the entry leaves
     size: int
     shifted_at: int | None = None  # the slot's ``shifted_at`` when it was saved
+    adapters: AdapterSet = ()  # what the KV was computed under
 
 
 class EngineError(Exception):
@@ -165,6 +169,7 @@ class Slot:
     # evaluating those tokens gives, so it is never stored on disk; None: never shifted
     shifted_at: int | None = None
     persisted: int = 0  # leading blocks of ``tokens`` known to be on disk (or queued for it)
+    adapters: AdapterSet = ()  # the LoRA adapters its KV was computed under
 
 
 @dataclass
@@ -201,6 +206,7 @@ class Seq:
     first_row: np.ndarray | None = None
     lookup: Any = None  # a kvdisk.Lookup: its prompt's stored prefix, being read from disk
     spec: SpecState | None = None  # speculative decoding (a draft model or prompt lookup), when the request has it
+    adapters: AdapterSet = ()  # the LoRA adapters it is computed under (loaded: ``Engine.adapter_ptrs``)
 
 
 class Engine:
@@ -233,6 +239,13 @@ class Engine:
         self.draft = draft  # the draft model beside the target (speculative.py), or None
         self.spec_max_streams = spec_max_streams
         self.spec_cost = CostModel(spec_token_cost)  # what decode steps and draft rounds cost here (measured)
+        # LoRA adapters loaded into the model (path -> llama_adapter_lora pointer; the runner loads them, on this
+        # thread), those to free once no sequence uses them, and the set the context applies now
+        self.adapter_ptrs: dict[str, Any] = {}
+        self._drop_later: set[str] = set()
+        self._applied: AdapterSet = ()
+        self.default_adapters: AdapterSet = ()  # what a request naming none is computed under (LoadSpec.adapters)
+        self._group_turn = 0  # which adapter set's batch goes first in a step (they take turns)
         self.cache_bytes = max(0, cache_bytes)
         self.saved: list[Saved] = []  # oldest first
         self.spare: list[np.ndarray] = []  # buffers of entries that left, written once already: fast to reuse
@@ -275,9 +288,14 @@ class Engine:
         shift: bool = True,
         truncate: bool = True,
         media: Any = None,
+        adapters: AdapterSet = (),
     ) -> None:
         """Queue a generation; its tokens and its final ``done`` go to ``emit``. Bad input raises EngineError.
-        ``media``: the vision.MediaPrompt whose ``cache_key()`` ends ``prompt`` (a prompt with images)."""
+        ``media``: the vision.MediaPrompt whose ``cache_key()`` ends ``prompt`` (a prompt with images).
+        ``adapters``: the LoRA adapters (loaded, ``adapter_ptrs``) and scales it is computed under."""
+        missing = [path for path, _ in adapters if path not in self.adapter_ptrs or path in self._drop_later]
+        if missing:
+            raise EngineError(f"the LoRA adapter {missing[0]} is not loaded", 500)
         if not prompt:
             raise EngineError("empty prompt")
         if media is not None:
@@ -330,10 +348,12 @@ class Engine:
             use_model=self.draft is not None and media is None,  # a draft model never sees the images
         )
         seq.spec = spec if spec.active else None
+        seq.adapters = tuple(adapters) or self.default_adapters
         if len(prompt) < given:  # said now, so that the daemon hears of the cut before any of the request's tokens
             self._emit_many([TruncatedReply(rid, Truncated(given, len(prompt), num_keep, self.n_ctx_slot))])
         disk = self.disk
-        if disk is not None:  # its stored prefix is read while it waits for a slot
+        if disk is not None and not seq.adapters:  # its stored prefix is read while it waits for a slot (the disk
+            # cache holds the base model's KV only)
             seq.lookup = disk.lookup(prompt)
         with self._cv:
             self.by_rid[rid] = seq
@@ -383,6 +403,10 @@ class Engine:
         slot = self._idle_slot(slot_id)
         if not slot.tokens:
             return [], None, b""
+        if slot.adapters:
+            raise EngineError(
+                f"slot {slot_id} holds a sequence computed with LoRA adapters: only the base model's slots are saved"
+            )
         size = int(self.lc.llama_state_seq_get_size(self.ctx, slot.seq_id))
         buffer = np.empty(max(size, 1), dtype=np.uint8)
         if size <= 0 or int(self.lc.llama_state_seq_get_data(self.ctx, _bytes_ptr(buffer), size, slot.seq_id)) != size:
@@ -407,7 +431,7 @@ class Engine:
         if bad is not None:
             raise EngineError("the saved slot's token ids are not this model's (a file of another vocabulary)")
         previous = b""
-        if slot.tokens:  # kept, to be put back if llama.cpp refuses the saved state
+        if slot.tokens and not slot.adapters:  # kept, to be put back if llama.cpp refuses the saved state
             previous = self.slot_state(slot_id)[2]
         self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
         data = np.frombuffer(state, dtype=np.uint8)
@@ -425,6 +449,7 @@ class Engine:
                 "the slot is unchanged"
             )
         slot.tokens, slot.shifted_at, slot.persisted = list(tokens), shifted_at, 0
+        slot.adapters = ()  # saved slots are the base model's
         slot.last_used = time.monotonic()
 
     def erase_slot(self, slot_id: int) -> int:
@@ -497,7 +522,7 @@ class Engine:
         copy of its state out of llama.cpp happens here; the disk cache's writer cuts it into blocks and writes
         them. Skipped when the writer is too far behind (the next end or reuse of the slot tries again)."""
         disk = self.disk
-        if disk is None or not disk.enabled or not slot.tokens:
+        if disk is None or not disk.enabled or not slot.tokens or slot.adapters:
             return
         tokens = slot.tokens
         exact = len(tokens) if slot.shifted_at is None else min(slot.shifted_at, len(tokens))
@@ -535,6 +560,7 @@ class Engine:
             disk.restore_failed(n)
             return False
         slot.tokens, slot.shifted_at, slot.persisted = list(seq.prompt[:n]), None, n // disk.block
+        slot.adapters = ()
         disk.note_restored(n)
         return True
 
@@ -715,7 +741,7 @@ class Engine:
             if seq.cancelled:
                 self._finish(seq, "stop")
                 continue
-            best = self._pick(free, seq.prompt)
+            best = self._pick(free, seq.prompt, seq.adapters)
             seq.slot, best.seq = best, seq
             self._place(seq, best)
 
@@ -728,10 +754,11 @@ class Engine:
         sequence. Otherwise the last prompt token is always left to evaluate: a sequence needs a logits row for its
         first token (a follower with the same whole prompt takes its leader's: ``_start_twin``)."""
         n = len(seq.prompt)
-        reuse = min(common_prefix(best.tokens, seq.prompt), n - 1)
-        donor = max(self.slots, key=lambda s: common_prefix(s.tokens, seq.prompt))
-        donor_len = min(common_prefix(donor.tokens, seq.prompt), n - 1)
-        hit, hit_len = self._find_saved(seq.prompt)
+        key = seq.adapters
+        reuse = min(self._shared(best, seq), n - 1)
+        donor = max(self.slots, key=lambda s: self._shared(s, seq))
+        donor_len = min(self._shared(donor, seq), n - 1)
+        hit, hit_len = self._find_saved(seq.prompt, key)
         # the prefix read from disk (only text before the first image, never the last prompt token)
         disk_len = seq.lookup.result()[0] if seq.lookup is not None else 0
         leader, lead_to = self._leader(seq)
@@ -750,7 +777,7 @@ class Engine:
                 restored = disk_len
             else:  # the slot was emptied: nothing of it to reuse; the prompt is evaluated
                 reuse = 0
-                donor_len = min(common_prefix(donor.tokens, seq.prompt), n - 1)
+                donor_len = min(self._shared(donor, seq), n - 1)
         if seq.lookup is not None:
             seq.lookup.drop()
             seq.lookup = None
@@ -763,7 +790,7 @@ class Engine:
                 restored = hit_len
             else:  # the slot was emptied: nothing of it to reuse
                 reuse = 0
-                donor_len = min(common_prefix(donor.tokens, seq.prompt), n - 1)
+                donor_len = min(self._shared(donor, seq), n - 1)
         if restored:
             self.lc.llama_memory_seq_rm(self.mem, best.seq_id, restored, -1)
             self._trim(best, restored)
@@ -779,6 +806,7 @@ class Engine:
         else:
             self.lc.llama_memory_seq_rm(self.mem, best.seq_id, reuse, -1)
             self._trim(best, reuse)
+        best.adapters = key  # what its KV is (from here on) computed under
         if seq.media is not None and reuse > seq.media_base:
             # an image is evaluated whole: a cached prefix that ends inside one is cut back to its start
             safe = seq.media_base + seq.media.safe_prefix(reuse - seq.media_base)
@@ -790,6 +818,11 @@ class Engine:
         if seq.media is not None:
             seq.pending, seq.rest = split_at_image(seq.pending)
         seq.prompt_cached = reuse
+
+    @staticmethod
+    def _shared(slot: Slot, seq: Seq) -> int:
+        """The prefix of ``seq``'s prompt that ``slot``'s KV holds for it: none when computed under other adapters."""
+        return common_prefix(slot.tokens, seq.prompt) if slot.adapters == seq.adapters else 0
 
     def _trim(self, slot: Slot, n: int) -> None:
         """``slot`` keeps its first ``n`` tokens (the caller removed the rest from the KV cache)."""
@@ -808,6 +841,8 @@ class Engine:
         for slot in self.slots:
             other = slot.seq
             if other is None or other is seq or other.cancelled or other.leader is not None:
+                continue
+            if other.adapters != seq.adapters:
                 continue
             if not (other.pending or other.rest):
                 continue
@@ -843,7 +878,7 @@ class Engine:
         if row is None or slot is None or leader.prompt != seq.prompt:
             return False
         places = ([leader.slot] if leader.slot is not None else []) + self.slots  # the leader's own KV first
-        donor = next((s for s in places if common_prefix(s.tokens, seq.prompt) == n), None)
+        donor = next((s for s in places if self._shared(s, seq) == n), None)
         if donor is None:
             return False
         if donor is not slot:
@@ -852,6 +887,7 @@ class Engine:
             self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
             self.lc.llama_memory_seq_cp(self.mem, donor.seq_id, slot.seq_id, -1, -1)
             slot.tokens, slot.shifted_at, slot.persisted = list(donor.tokens), donor.shifted_at, donor.persisted
+        slot.adapters = seq.adapters
         self.lc.llama_memory_seq_rm(self.mem, slot.seq_id, n, -1)  # the leader's tokens since
         self._trim(slot, n)
         slot.tokens = list(seq.prompt)
@@ -896,11 +932,11 @@ class Engine:
         self.lc.llama_memory_seq_rm(self.mem, dst.seq_id, -1, -1)
         self.lc.llama_memory_seq_cp(self.mem, src.seq_id, dst.seq_id, -1, -1)
         dst.tokens, src.tokens = src.tokens, list(src.tokens)
-        dst.shifted_at, dst.persisted = src.shifted_at, src.persisted
+        dst.shifted_at, dst.persisted, dst.adapters = src.shifted_at, src.persisted, src.adapters
         dst.seq, src.seq, seq.slot = seq, None, dst
         dst.last_used = src.last_used = time.monotonic()
 
-    def _pick(self, free: list[Slot], prompt: list[int]) -> Slot:
+    def _pick(self, free: list[Slot], prompt: list[int], adapters: AdapterSet = ()) -> Slot:
         """The free slot for a new request: the one whose cached tokens share the longest prefix with its prompt;
         among equals, one next to busy slots, then the least recently used.
 
@@ -915,7 +951,8 @@ class Engine:
         def score(s: Slot) -> tuple[int, int, float]:
             i = s.seq_id
             near = (i > 0 and slots[i - 1].seq is not None) + (i < last and slots[i + 1].seq is not None)
-            return common_prefix(s.tokens, prompt), near, -s.last_used
+            shared = common_prefix(s.tokens, prompt) if s.adapters == adapters else 0
+            return shared, near, -s.last_used
 
         return max(free, key=score)
 
@@ -964,10 +1001,12 @@ class Engine:
             self._accept(seq, token, raw)
 
     # -- sequences kept in host RAM ------------------------------------------------------------------------------
-    def _find_saved(self, prompt: list[int]) -> tuple[Saved | None, int]:
+    def _find_saved(self, prompt: list[int], adapters: AdapterSet = ()) -> tuple[Saved | None, int]:
         best: Saved | None = None
         best_len = 0
         for entry in self.saved:
+            if entry.adapters != adapters:
+                continue
             n = common_prefix(entry.tokens, prompt)
             if n > best_len:
                 best, best_len = entry, n
@@ -979,8 +1018,8 @@ class Engine:
         self._persist(slot)
         if self.cache_bytes <= 0 or not slot.tokens:
             return
-        tokens = slot.tokens
-        if any(common_prefix(e.tokens, tokens) == len(tokens) for e in self.saved):
+        tokens, key = slot.tokens, slot.adapters
+        if any(e.adapters == key and common_prefix(e.tokens, tokens) == len(tokens) for e in self.saved):
             return  # a saved sequence already covers it
         size = int(self.lc.llama_state_seq_get_size(self.ctx, slot.seq_id))
         if size <= 0 or size + size // 4 > self.cache_bytes:
@@ -989,8 +1028,10 @@ class Engine:
         if int(self.lc.llama_state_seq_get_data(self.ctx, _bytes_ptr(buffer), size, slot.seq_id)) != size:
             self.spare.append(buffer)
             return
-        self._drop(lambda e: common_prefix(e.tokens, tokens) == len(e.tokens))  # it covers these
-        self.saved.append(Saved(tokens=list(tokens), buffer=buffer, size=size, shifted_at=slot.shifted_at))
+        self._drop(lambda e: e.adapters == key and common_prefix(e.tokens, tokens) == len(e.tokens))  # it covers these
+        self.saved.append(
+            Saved(tokens=list(tokens), buffer=buffer, size=size, shifted_at=slot.shifted_at, adapters=key)
+        )
         while self.saved_size > self.cache_bytes and (self.spare or len(self.saved) > 1):
             if not self.spare:
                 self._drop(lambda e: e is self.saved[0])  # the oldest: its buffer becomes the spare freed next
@@ -1029,6 +1070,7 @@ class Engine:
             slot.tokens, slot.shifted_at, slot.persisted = [], None, 0
             return False
         slot.tokens, slot.shifted_at, slot.persisted = list(entry.tokens), entry.shifted_at, 0
+        slot.adapters = entry.adapters
         return True
 
     def _reap_cancelled(self) -> None:
@@ -1041,7 +1083,6 @@ class Engine:
                 self._finish(slot.seq, "stop")
 
     def _step(self) -> None:
-        lc, batch = self.lc, self._batch
         # What each sequence puts in this step: a decoding one its sampled token, a prefilling one (oldest first) a
         # chunk of its prompt within what is left of the batch. Except that newcomers whose whole prompts fit in one
         # batch get a step of their own first: their first token then comes after a pass over their own few tokens
@@ -1078,6 +1119,69 @@ class Engine:
                 del seq.pending[: len(chunk)]
                 plan[seq.slot.seq_id] = chunk
                 budget -= len(chunk)
+        # one batch per set of LoRA adapters (llama.cpp applies adapters to a whole context, as llama-server batches
+        # only slots of one set together), each set's sequences in sequence-id order; the sets take turns going
+        # first, so none waits behind the others step after step
+        groups: dict[AdapterSet, dict[int, list[int]]] = {}
+        for slot in self.slots:
+            take = plan.get(slot.seq_id)
+            if take and slot.seq is not None:
+                groups.setdefault(slot.seq.adapters, {})[slot.seq_id] = take
+        keys = list(groups)
+        if len(keys) > 1:
+            turn = self._group_turn % len(keys)
+            self._group_turn += 1
+            keys = keys[turn:] + keys[:turn]
+        for key in keys:
+            self._apply_adapters(key)
+            self._decode_plan(groups[key], decode_only and len(keys) == 1)
+
+    # -- LoRA adapters (engine thread: through ``call``) -------------------------------------------------------------
+    def add_adapter(self, path: str, ptr: Any) -> None:
+        """An adapter the runner loaded (``llama_adapter_lora_init``), usable by requests from now on."""
+        self.adapter_ptrs[path] = ptr
+        self._drop_later.discard(path)
+
+    def drop_adapters(self, paths: tuple[str, ...]) -> list[str]:
+        """Free these adapters: now when no sequence uses them, else when the last that does ends (no new request
+        may use them meanwhile). The adapters still loaded, in load order."""
+        for path in paths:
+            if path in self.adapter_ptrs:
+                self._drop_later.add(path)
+        self._free_unused()
+        return list(self.adapter_ptrs)
+
+    def _free_unused(self) -> None:
+        if not self._drop_later:
+            return
+        with self._cv:
+            seqs = [s.seq for s in self.slots if s.seq is not None] + list(self.waiting)
+        used = {path for q in seqs for path, _ in q.adapters}
+        for path in sorted(self._drop_later - used):
+            if any(path == p for p, _ in self._applied):
+                self._apply_adapters(())  # the context lets go of it first
+            self.lc.llama_adapter_lora_free(self.adapter_ptrs.pop(path))
+            self._drop_later.discard(path)
+
+    def _apply_adapters(self, key: AdapterSet) -> None:
+        """Make the context compute under the LoRA adapters ``key`` (llama.cpp does nothing when they are set)."""
+        if key == self._applied:
+            return
+        lc, n = self.lc, len(key)
+        if n:
+            ptrs = (lc.llama_adapter_lora_p_ctypes * n)(*(self.adapter_ptrs[path] for path, _ in key))
+            scales = (ctypes.c_float * n)(*(scale for _, scale in key))
+            rc = lc.llama_set_adapters_lora(self.ctx, ptrs, n, scales)
+        else:
+            rc = lc.llama_set_adapters_lora(self.ctx, None, 0, None)
+        if rc != 0:
+            raise EngineError(f"llama.cpp could not apply the LoRA adapters ({rc})", 500)
+        self._applied = key
+
+    def _decode_plan(self, plan: dict[int, list[int]], decode_only: bool) -> None:
+        """One ``llama_decode`` of the tokens ``plan`` puts after each slot's KV, and the sampling of every
+        sequence that gets logits from it (``_verify`` when some verify drafts)."""
+        lc, batch = self.lc, self._batch
         # laid out in sequence-id order: llama.cpp splits a batch over several KV streams into passes of consecutive
         # sequence ids with as many tokens each, so out of order it would run extra passes. The batch's arrays are
         # numpy arrays of this engine's (``_batch_arrays``): filled with four slice assignments, not per token.
@@ -1411,6 +1515,8 @@ class Engine:
             slot.seq = None
             slot.last_used = time.monotonic()
         seq.slot = None
+        if self._drop_later and seq.adapters:
+            self._free_unused()
 
 
 def merge_pieces(out: list[Reply]) -> list[Reply]:

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from daemon.runners.protocol import (
+    AdaptersOp,
+    AdaptersReply,
     BatchReply,
     CancelOp,
     DetokenizeOp,
@@ -255,13 +257,6 @@ class Runner:
             # refused CORRAL_FLASH_ATTENTION=false with a quantized CORRAL_KV_CACHE_TYPE
             cparams.flash_attn_type = 1 if flash != 0 else 0
         self.context = _internals.LlamaContext(model=self.model, params=cparams, verbose=False)
-        for path in adapters:
-            adapter = lc.llama_adapter_lora_init(self.model.model, path.encode("utf-8"))
-            if not adapter:
-                raise RequestError(f"llama.cpp could not load the adapter {path}", 500)
-            lc.llama_set_adapters_lora(
-                self.context.ctx, (lc.llama_adapter_lora_p_ctypes * 1)(adapter), 1, (ctypes.c_float * 1)(1.0)
-            )
         if spec.draft_path:
             self._load_draft(spec, cparams)
         offloaded = self._fully_offloaded()
@@ -282,6 +277,9 @@ class Runner:
             spec_max_streams=SPEC_MAX_STREAMS_GPU if offloaded else SPEC_MAX_STREAMS,
             spec_token_cost=SPEC_TOKEN_COST_GPU if offloaded else SPEC_TOKEN_COST,
         )
+        if adapters:  # the load's own adapters: what requests naming none are computed under
+            self.engine.call(lambda: self._load_adapters(adapters, status=500))
+            self.engine.default_adapters = tuple((path, 1.0) for path in adapters)
         # on the engine's thread, as every decode after them (Engine.call)
         self.engine.call(lambda: self._warm_up(self.context.ctx, self.model))
         if self.draft is not None:
@@ -291,6 +289,32 @@ class Runner:
             self.engine.set_media(self._eval_media)
         if spec.kv_disk_dir and spec.kv_disk_bytes > 0:
             self._open_disk_cache(spec)
+
+    def _load_adapters(self, paths: list[str], status: int = 400) -> None:
+        """Load these LoRA adapter files into the model, once each (engine thread: ``Engine.call``)."""
+        engine = self.engine
+        for path in paths:
+            if path in engine.adapter_ptrs and path not in engine._drop_later:
+                continue
+            if path in engine.adapter_ptrs:  # being dropped, asked for again: keep it
+                engine.add_adapter(path, engine.adapter_ptrs[path])
+                continue
+            if not os.path.isfile(path):
+                raise RequestError(f"the LoRA adapter file {path} does not exist", 500)
+            ptr = self.lc.llama_adapter_lora_init(self.model.model, path.encode("utf-8"))
+            if not ptr:
+                raise RequestError(
+                    "llama.cpp could not load the LoRA adapter: it does not fit this model (another architecture "
+                    "or other tensor shapes); create the model with an adapter made for its base",
+                    status,
+                )
+            engine.add_adapter(path, ptr)
+
+    def _adapters(self, op: AdaptersOp) -> Reply:
+        if self.engine is None:
+            return AdaptersReply(op.id, ())
+        loaded = self.engine.call(lambda: self.engine.drop_adapters(tuple(op.drop)))
+        return AdaptersReply(op.id, tuple(loaded))
 
     def _load_draft(self, spec: LoadSpec, cparams: Any) -> None:
         """Load the draft model for speculative decoding (daemon/llama/speculative.py) with a context shaped as the
@@ -598,16 +622,21 @@ class Runner:
             tokens = context + self.tokenize(req.prompt, req.add_special)
         if not tokens:
             tokens = [self.model.token_bos()]
+        adapters = tuple((path, float(scale)) for path, scale in req.adapters)
+        engine = self.engine
         try:
-            self.engine.submit(
+            if any(path not in engine.adapter_ptrs or path in engine._drop_later for path, _ in adapters):
+                engine.call(lambda: self._load_adapters([path for path, _ in adapters]))
+            engine.submit(
                 rid,
                 tokens,
                 req.params,
                 shift=req.shift,
                 truncate=req.truncate,
                 media=media,
+                adapters=adapters,
             )
-        except EngineError as exc:
+        except (EngineError, RequestError) as exc:
             if media is not None:
                 media.close()
             raise RequestError(str(exc), exc.status) from None
@@ -875,6 +904,7 @@ class Runner:
         SlotSaveOp: _slot_save,
         SlotRestoreOp: _slot_restore,
         SlotEraseOp: _slot_erase,
+        AdaptersOp: _adapters,
     }
 
     def handle(self, op: Op) -> None:
