@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from daemon.chat.pipeline import ChatModel
+from daemon.generation import lora
 from daemon.models.catalog import Catalog
 from daemon.models.draft import Draft, check_vocabulary, draft_option, find_draft
 from daemon.runners.base import LoadSpec, MemoryUse, SampleParams
@@ -570,11 +571,11 @@ class Inference:
 
     # -- LoRA adapters (issue 29) ------------------------------------------------------------------------------
     def adapters_for(self, ctx: ModelContext, opts: dict[str, Any]) -> tuple[tuple[str, float], ...]:
-        """``GenerateRequest.adapters`` for a generation of ``ctx``: (adapter blob path, scale) in the model's
-        ADAPTER order, each at scale 1.0, entries at scale 0 left out."""
-        del opts  # per-request scales (llama-server's ``lora``) are merged here once they are parsed
-        pairs = tuple((path, 1.0) for path in ctx.adapters)
-        return tuple((path, scale) for path, scale in pairs if scale != 0)
+        """``GenerateRequest.adapters`` for a generation of ``ctx`` under the merged options: (adapter blob path,
+        scale) in the model's ADAPTER order, with the model's ``lora_scale`` defaults and the request's ``lora``
+        override (llama-server's ``[{"id", "scale"}]``), adapters at scale 0 left out (``daemon.generation.lora``).
+        An id the model does not have is a 400 naming it."""
+        return lora.request_adapters(ctx.adapters, opts, model=ctx.raw)
 
     def adapter_uses(
         self, ctx: ModelContext, spec: LoadSpec, adapters: tuple[tuple[str, float], ...]

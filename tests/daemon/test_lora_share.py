@@ -164,7 +164,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tiny]:
         stop_daemon(d)
 
 
-_LLAMAS: dict[tuple[str, str | None], Any] = {}
+_LLAMAS: dict[tuple[str, str | None, float], Any] = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -175,27 +175,34 @@ def _close_llamas() -> Iterator[None]:
         _LLAMAS.popitem()[1].close()
 
 
-def _llama(model: str, lora: str | None) -> Any:
+def _llama(model: str, lora: str | None, scale: float = 1.0) -> Any:
     """Flash attention on, as the daemon's "auto" loads its runners here: the attention kernels round differently,
     which a random model's near-ties show after a few hundred tokens."""
     import llama_cpp
 
-    key = (model, lora)
+    key = (model, lora, scale)
     if key not in _LLAMAS:
         _LLAMAS[key] = llama_cpp.Llama(
-            model_path=model, lora_path=lora, n_ctx=512, n_threads=2, verbose=False, seed=0, flash_attn=True
+            model_path=model,
+            lora_path=lora,
+            lora_scale=scale,
+            n_ctx=512,
+            n_threads=2,
+            verbose=False,
+            seed=0,
+            flash_attn=True,
         )
     return _LLAMAS[key]
 
 
-def reference(model: Path, adapter: Path | None, n: int, prompt: str = PROMPT) -> str:
-    """In-process llama.cpp with this adapter alone (or none): the greedy completion of ``prompt``."""
-    llm = _llama(str(model), None if adapter is None else str(adapter))
+def reference(model: Path, adapter: Path | None, n: int, prompt: str = PROMPT, scale: float = 1.0) -> str:
+    """In-process llama.cpp with this adapter alone (or none) at ``scale``: the greedy completion of ``prompt``."""
+    llm = _llama(str(model), None if adapter is None else str(adapter), scale)
     out = llm.create_completion(prompt, max_tokens=n, temperature=0.0, repeat_penalty=1.0, top_k=1)
     return str(out["choices"][0]["text"])
 
 
-def _generate(d: Daemon, model: str, n: int = 24, prompt: str = PROMPT) -> str:
+def _generate(d: Daemon, model: str, n: int = 24, prompt: str = PROMPT, **options: Any) -> str:
     r = httpx.post(
         d.url + "/api/generate",
         json={
@@ -203,7 +210,7 @@ def _generate(d: Daemon, model: str, n: int = 24, prompt: str = PROMPT) -> str:
             "prompt": prompt,
             "raw": True,
             "stream": False,
-            "options": {"temperature": 0, "num_predict": n, "repeat_penalty": 1.0, "seed": 0},
+            "options": {"temperature": 0, "num_predict": n, "repeat_penalty": 1.0, "seed": 0, **options},
         },
         timeout=300,
     )
@@ -277,6 +284,30 @@ def test_the_four_models_at_once_in_mixed_batches(tiny: Tiny) -> None:
         got = list(pool.map(lambda name: (name, _generate(d, name, 32)), names))
     assert got == [(name, expected[name]) for name in names]
     assert len(_ps(d)) == 1 and len(_runner_pids(d)) == 1
+
+
+@pytest.mark.slow
+def test_a_model_with_two_adapters_and_per_request_scales(tiny: Tiny) -> None:
+    d, tmp = tiny.d, tiny.tmp
+    a0, a1 = tiny.adapters[0], tiny.adapters[1]
+    _create(d, "pair", f"FROM base\nADAPTER {a0}\nADAPTER {a1}\n", tmp)
+    # llama-server's override (options.lora): a non-empty list sets every adapter's scale, the others are off
+    assert _generate(d, "pair", lora=[{"id": 0, "scale": 1}]) == reference(tiny.base, a0, 24)
+    assert _generate(d, "pair", lora=[{"id": 1, "scale": 1}]) == reference(tiny.base, a1, 24)
+    assert _generate(d, "pair", lora=[{"id": 0, "scale": 0}]) == reference(tiny.base, None, 24)  # both off
+    # a model's default scale (lora_scale), as llama.cpp's --lora-scaled
+    assert _generate(d, "ft0", lora_scale=0.5) == reference(tiny.base, a0, 24, scale=0.5)
+    r = httpx.post(
+        d.url + "/api/generate",
+        json={"model": "pair", "prompt": PROMPT, "stream": False, "options": {"lora": [{"id": 2, "scale": 1}]}},
+        timeout=60,
+    )
+    assert r.status_code == 400 and "lora[0].id is 2" in r.json()["error"], r.text
+    # the pair's adapters are the ones ft0 and ft1 loaded: one runner, each adapter still counted once
+    (m,) = _ps(d)
+    held = {a["digest"]: a["models"] for a in m["adapters"]}
+    assert "pair:latest" in held[_digest(a0)] and "pair:latest" in held[_digest(a1)], held
+    assert len(held) == len(m["adapters"])
 
 
 def _stream(d: Daemon, model: str, n: int, started: threading.Event, out: dict[str, str]) -> None:
