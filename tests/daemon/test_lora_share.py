@@ -132,6 +132,29 @@ async def test_dropping_an_adapter_frees_its_memory_once_no_sequence_uses_it() -
     await s.close()
 
 
+def test_an_adapters_memory_is_on_the_devices_of_the_layers_it_patches(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from daemon.generation.inference import Inference
+    from daemon.settings import Settings
+
+    blob = tmp_path / ("sha256-" + "c" * 64)
+    blob.write_bytes(b"x" * 1000)
+    ctx: Any = SimpleNamespace(adapters=(str(blob),), adapter_bytes=(1000,), info=SimpleNamespace(block_count=3))
+    settings = Settings.from_env({"CORRAL_MODELS": str(tmp_path / "m")})
+
+    def uses(vram_budget: int, num_gpu: int) -> tuple[Adapter, ...]:
+        inf = Inference(None, None, settings, vram_budget=vram_budget)  # type: ignore[arg-type]
+        return inf.adapter_uses(ctx, LoadSpec(model_path="/m", num_gpu=num_gpu), ((str(blob), 1.0),))
+
+    (cpu,) = uses(0, 0)
+    assert (cpu.digest, cpu.memory) == ("sha256:" + "c" * 64, MemoryUse(1000, 0))
+    assert uses(8 * GB, 0)[0].memory == MemoryUse(1000, 0)  # no layer offloaded
+    assert uses(8 * GB, 4)[0].memory == MemoryUse(0, 1000)  # every layer (3 blocks and the output) on the GPU
+    assert uses(8 * GB, 2)[0].memory == MemoryUse(500, 500)  # half of them
+    assert uses(8 * GB, 999)[0].memory == MemoryUse(0, 1000)
+
+
 # -- a real daemon: a tiny random base and four adapters of it -------------------------------------------------------
 @dataclass
 class Tiny:
