@@ -24,7 +24,7 @@ from daemon.models.create import adapter_misfit
 from modelfile import ParameterError, coerce_parameter, parse, validate_options
 from registry.gguf import GGUFInfo, read_gguf_file
 from tests.conftest import Daemon, start_daemon, stop_daemon
-from tests.models import write_lora_gguf, write_tiny_gguf
+from tests.models import smollm2_path, write_lora_gguf, write_tiny_gguf
 
 A, B, C = "/blobs/sha256-a", "/blobs/sha256-b", "/blobs/sha256-c"
 
@@ -335,3 +335,86 @@ def _manifest_layers(store: Store, name: str) -> list[dict[str, Any]]:
     path = store.d.models / "manifests" / "registry.ollama.ai" / "library" / name / "latest"
     layers: list[dict[str, Any]] = json.loads(path.read_text())["layers"]
     return layers
+
+
+def test_a_model_without_adapters_refuses_lora_ids(store: Store) -> None:
+    d = store.d
+    r = _post(
+        d,
+        "/api/generate",
+        {
+            "model": "base",
+            "prompt": "hi",
+            "stream": False,
+            "options": {"num_predict": 2, "lora": [{"id": 0, "scale": 1}]},
+        },
+    )
+    assert r.status_code == 400 and "lora[0].id is 0, but model 'base' has no LoRA adapters" in r.json()["error"], (
+        r.text
+    )
+    r = _post(d, "/v1/completions", {"model": "base", "prompt": "hi", "max_tokens": 2, "lora": [{"id": 0, "scale": 1}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora", r.text
+    # an empty list asks for nothing: fine
+    r = _post(d, "/v1/completions", {"model": "base", "prompt": "hi", "max_tokens": 2, "lora": []})
+    assert r.status_code == 200, r.text
+
+
+# -- SmolLM2 with a real adapter: the scales reach llama.cpp ----------------------------------------------------------
+SMOL = smollm2_path()
+needs_smol = pytest.mark.skipif(SMOL is None, reason="SmolLM2 is not cached (run scripts/fetch_smollm2.py)")
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
+    assert SMOL is not None
+    tmp = tmp_path_factory.mktemp("lora-smol")
+    d = start_daemon(tmp / "models", tmp / "daemon.log", {"CORRAL_NUM_PARALLEL": "2"})
+    try:
+        s = Store(d, tmp, SMOL)
+        adapter = write_lora_gguf(tmp / "smol-a.gguf", SMOL, seed=7)
+        for name, text in (
+            ("smol", f"FROM {SMOL}\nPARAMETER num_ctx 512\n"),
+            ("smol-a", f"FROM smol\nADAPTER {adapter}\nPARAMETER lora_scale 0.3\n"),
+        ):
+            made = _create(s, name, text)
+            assert made.returncode == 0, made.stdout + made.stderr
+        yield s
+    finally:
+        stop_daemon(d)
+
+
+def _greedy(d: Daemon, model: str, lora_value: Any = None) -> str:
+    options: dict[str, Any] = {"temperature": 0, "seed": 1, "num_predict": 16}
+    if lora_value is not None:
+        options["lora"] = lora_value
+    r = _post(
+        d, "/api/generate", {"model": model, "prompt": "Name three colours.", "stream": False, "options": options}
+    )
+    assert r.status_code == 200, r.text
+    text: str = r.json()["response"]
+    return text
+
+
+@needs_smol
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_per_request_scales_reach_the_runner(smol: Store) -> None:
+    d = smol.d
+    base = _greedy(d, "smol")
+    adapted = _greedy(d, "smol-a")  # lora_scale 0.3
+    assert adapted != base, "the adapter at its default scale changes nothing"
+    assert _greedy(d, "smol-a", [{"id": 0, "scale": 0}]) == base  # scale 0: the base model alone
+    assert _greedy(d, "smol-a", []) == adapted  # an empty list keeps the model's scales
+    stronger = _greedy(d, "smol-a", [{"id": 0, "scale": 1.0}])
+    assert stronger not in (base, adapted)
+    # the same on /v1, with llama-server's top-level lora
+    chat = {"model": "smol-a", "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 16}
+    chat |= {"temperature": 0, "seed": 1}
+    off = _post(d, "/v1/chat/completions", {**chat, "lora": [{"id": 0, "scale": 0}]})
+    plain = _post(d, "/v1/chat/completions", {**chat, "model": "smol"})
+    assert off.status_code == plain.status_code == 200, off.text + plain.text
+    assert off.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
+    r = _post(d, "/v1/chat/completions", {**chat, "lora": [{"id": 1, "scale": 1}]})
+    assert r.status_code == 400 and "lora[0].id is 1, but model 'smol-a' has 1 LoRA adapter: ids 0 to 0" in r.text, (
+        r.text
+    )
