@@ -253,6 +253,13 @@ class Corral(batching.Corral):
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "cli", "serve"], env=env, cwd=batching.REPO, stdout=log, stderr=log
             )
+        try:
+            self._setup(gguf, quants)
+        except BaseException:
+            self.close()  # a daemon that failed to set up is not left running
+            raise
+
+    def _setup(self, gguf: Path, quants: list[str]) -> None:
         batching.wait_up(self.url + "/api/version", self.proc)
         digest = "sha256:" + hashlib.sha256(gguf.read_bytes()).hexdigest()
         with gguf.open("rb") as f:
@@ -291,6 +298,7 @@ class Corral(batching.Corral):
             "model": model,
             "messages": [{"role": "user", "content": prompt}],
             "stream": True,
+            "keep_alive": -1,  # a slow round must not unload a runner between its turns
             "options": {"temperature": 0, "repeat_penalty": 1.0, "num_predict": tokens, **options},
         }
         start = time.perf_counter()
@@ -325,6 +333,14 @@ class Corral(batching.Corral):
 
 class LlamaServer(batching.OpenAIPeer):
     """llama-server on the target with one slot, and the speculation flags given."""
+
+    def start(self, argv: list[str], ready_path: str = "/v1/models") -> None:
+        try:
+            super().start(argv, ready_path)
+        except BaseException:
+            if getattr(self, "proc", None) is not None:
+                self.close()  # a server that did not come up is not left running
+            raise
 
     def __init__(self, name: str, gguf: Path, flags: list[str]) -> None:
         self.name = name
@@ -657,7 +673,7 @@ def render(
     def tps(label: str, prompt: str) -> list[float]:
         return [x.tps for x in single.get((label, prompt), [])]
 
-    for prompt in PROMPTS:
+    for prompt in PROMPTS if single else ():
         base = {
             fam: next((c for c in configs if c.family == fam and c.kind == "none"), None)
             for fam in ("corral", "llama-server")
