@@ -1301,8 +1301,12 @@ class Engine:
             if spec.use_model:
                 rate = max(spec.model.rate, 0.75) if explore else spec.model.rate
                 k = cost.best_k(rate, cap, decoding, model=True)
+                p_min = spec.p_min
+                if not spec.probed:  # each request's draft model drafts once whatever it costs or trusts: its
+                    spec.probed = True  # acceptance, and counts that say the draft is there and what it is worth
+                    k, p_min = max(k, min(cap, 2)), 0.0
                 if k >= need:
-                    model_jobs.append((sid, history, k, spec.p_min))
+                    model_jobs.append((sid, history, k, p_min))
                     want[sid] = seq
                     room -= k
         if model_jobs and self.draft is not None:

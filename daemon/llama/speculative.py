@@ -72,6 +72,7 @@ class SpecState:
     lookup: Acceptance = field(default_factory=Acceptance)
     model: Acceptance = field(default_factory=Acceptance)
     idle_steps: int = 0  # steps since it last drafted
+    probed: bool = False  # the draft model has drafted for it once (whatever the cost model says)
 
     def __post_init__(self) -> None:
         if self.ngram > 0:
