@@ -1293,6 +1293,8 @@ class Engine:
             if spec.index is not None:
                 rate = max(spec.lookup.rate, 0.75) if explore else spec.lookup.rate
                 k = cost.best_k(rate, cap, decoding, model=False)
+                if spec.drafted == 0:  # its first lookup that finds something is verified whatever the cost model
+                    k = max(k, min(cap, 2))  # says: its own acceptance, and counts that show lookup at work
                 drafted = spec.index.draft(history, k) if k >= need else []
                 if len(drafted) >= need:
                     spec.pending, spec.from_model, spec.idle_steps = drafted, False, 0
