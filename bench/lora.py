@@ -26,7 +26,7 @@ stream i on model/adapter i mod 4 with prompt i // 4 (bench/batching.py's prompt
 adapter), streamed (corral: ``/api/chat``; llama-server: ``/v1/chat/completions``; both apply the model's chat
 template). Aggregate tok/s = completion tokens of all streams / wall time from the first request to the last token.
 Memory: the servers' processes that hold the model (corral's runner processes, llama-server itself), sampled every
-0.2 s during each burst: the peak of their summed RSS, and of their summed PSS (proportional set size: a page
+second during each burst: the peak of their summed RSS, and of their summed PSS (proportional set size: a page
 shared by several processes, as the base GGUF mapped by four runners, counted once in all). A burst during which
 the machine's other processes used more than ``--quiet`` cores is taken again (bench/speculative.py's rule).
 
@@ -285,7 +285,8 @@ Server = Corral | LlamaServer
 
 
 class Memory:
-    """Samples the summed RSS and PSS of a server's model-holding processes every 0.2 s while running."""
+    """Samples the summed RSS and PSS of a server's model-holding processes every second while running (reading
+    smaps_rollup takes the process's memory lock: more often would slow what is measured)."""
 
     def __init__(self, server: Server) -> None:
         self.server = server
@@ -306,7 +307,7 @@ class Memory:
         self.procs = max(self.procs, len(procs))
 
     def _run(self) -> None:
-        while not self._stop.wait(0.2):
+        while not self._stop.wait(1.0):
             self._sample()
 
     def __enter__(self) -> Memory:
@@ -374,24 +375,38 @@ def run(args: argparse.Namespace) -> None:
                 server = LlamaServer(base, adapters, args.ctx, args.streams)
             stack.callback(server.close)
             servers[k] = server
-            burst(server, args.streams, 8)  # warm up: loads the runners and the adapters
+            burst(server, ADAPTERS, 4)  # warm up: loads the runners and the adapters (one request on each)
             print(f"{k}: up and warm in {time.monotonic() - started:.1f} s", flush=True)
         batching.check_idle(list(servers.values()))
         quiet = speculative.Quiet(list(servers.values()), args.quiet, args.retries)
-        for r in range(args.rounds):
-            k0 = r % len(keys)
-            for k in keys[k0:] + keys[:k0]:
-                results[k].append(quiet.measure(lambda: burst(servers[k], args.streams, args.tokens)))  # noqa: B023
-            print(
-                f"round {r + 1} ({quiet.retaken} retaken so far): "
-                + ", ".join(
-                    f"{k} {results[k][-1].tps:.1f} tok/s, {results[k][-1].pss / 2**20:.0f} MiB PSS "
-                    f"({results[k][-1].procs} proc)"
-                    for k in keys
-                ),
-                flush=True,
-            )
-    lines = render(args, keys, results, quiet, kv_bytes(base, args.ctx * args.streams))
+        kv = kv_bytes(base, args.ctx * args.streams)
+        stopped = ""
+        try:
+            for r in range(args.rounds):
+                k0 = r % len(keys)
+                for k in keys[k0:] + keys[:k0]:
+                    results[k].append(
+                        quiet.measure(lambda: burst(servers[k], args.streams, args.tokens))  # noqa: B023
+                    )
+                print(
+                    f"round {r + 1} ({quiet.retaken} retaken so far): "
+                    + ", ".join(
+                        f"{k} {results[k][-1].tps:.1f} tok/s, {results[k][-1].pss / 2**20:.0f} MiB PSS "
+                        f"({results[k][-1].procs} proc)"
+                        for k in keys
+                    ),
+                    flush=True,
+                )
+                if args.write:  # each round's table kept: a run stopped later still leaves the rounds it finished
+                    batching.write_section(args.write, render(args, keys, results, quiet, kv), heading(args))
+        except (KeyboardInterrupt, SystemExit) as e:
+            stopped = f"stopped ({e or 'interrupted'}) during round {len(results[keys[-1]]) + 1}"
+            print(stopped, flush=True)
+    done = min(len(v) for v in results.values())
+    if not done:
+        sys.exit("no round was finished: nothing to report")
+    results = {k: v[:done] for k, v in results.items()}  # complete rounds only, for the per-round ratios
+    lines = render(args, keys, results, quiet, kv)
     print("\n".join(lines))
     if args.write:
         batching.write_section(args.write, lines, heading(args))
@@ -443,13 +458,13 @@ def render(
         f"attn_q/attn_v, seeds 1-4, scale {args.scale:g}); four models `FROM` the base with one `ADAPTER` each. "
         f"{args.streams} simultaneous greedy chat streams (no repeat penalty, {args.tokens} tokens asked, num_ctx "
         f"{args.ctx}), {args.streams // ADAPTERS} on each adapter with four different prompts; CPU only, 2 cores. All "
-        f"servers up at once, taking turns in a rotating order, {args.rounds} rounds; aggregate tok/s = completion "
-        "tokens / wall time of the burst, the median over rounds; ratios are medians of per-round ratios. Memory: the "
-        "peak, sampled every 0.2 s during the bursts, of the summed RSS and PSS of the processes holding the model "
-        "(corral's runners, llama-server); PSS counts a page several processes share (the base GGUF mapped by four "
-        "runners) once in all, RSS once per process. A burst during which the machine's other processes used more "
-        f"than {args.quiet} of a core was taken again (up to {args.retries} times): {quiet.retaken} were taken again, "
-        f"{quiet.noisy} kept from a last try that was still disturbed.",
+        f"servers up at once, taking turns in a rotating order, {len(results[keys[0]])} rounds; aggregate tok/s = "
+        "completion tokens / wall time of the burst, the median over rounds; ratios are medians of per-round ratios. "
+        "Memory: the peak, sampled every second during the bursts, of the summed RSS and PSS of the processes holding "
+        "the model (corral's runners, llama-server); PSS counts a page several processes share (the base GGUF mapped "
+        "by four runners) once in all, RSS once per process. A burst during which the machine's other processes used "
+        f"more than {args.quiet} of a core was taken again (up to {args.retries} times): {quiet.retaken} were taken "
+        f"again, {quiet.noisy} kept from a last try that was still disturbed.",
         "",
         "| server | processes | aggregate tok/s | x before (tok/s) | x llama-server (tok/s) | peak RSS MiB "
         "| x before (RSS) | peak PSS MiB | x before (PSS) | same text as before | tok/s each round |",
