@@ -283,7 +283,7 @@ class Runner:
         # on the engine's thread, as every decode after them (Engine.call)
         self.engine.call(lambda: self._warm_up(self.context.ctx, self.model))
         if self.draft is not None:
-            self.engine.call(lambda: self._warm_up(self.draft_context.ctx, self.draft_model))
+            self.engine.call(lambda: self._warm_up(self.draft_context.ctx, self.draft_model, "draft-warmup"))
         if spec.projector_path:
             self.engine.call(lambda: self._load_projector(spec.projector_path, threads, flash))
             self.engine.set_media(self._eval_media)
@@ -535,13 +535,14 @@ class Runner:
             self._tensor_split = (ctypes.c_float * lc.LLAMA_MAX_DEVICES)(*split)  # kept alive with the runner
             mparams.tensor_split = ctypes.cast(self._tensor_split, ctypes.POINTER(ctypes.c_float))
 
-    def _warm_up(self, ctx: Any, model: Any) -> None:
+    def _warm_up(self, ctx: Any, model: Any, fault: str = "warmup") -> None:
         """One short prompt-sized decode and one single-token decode before the runner says it is loaded: a
         kernel that faults on this CPU or GPU (llama.cpp's AMX path, a bad driver) kills the runner here, while
-        the daemon can still load it again with a safer configuration, and not in a user's request."""
+        the daemon can still load it again with a safer configuration, and not in a user's request. The draft
+        model warms up the same way (its test fault stage: ``draft-warmup``)."""
         lc = self.lc
         self.chan.send(StageReply("warm-up"))
-        _inject_fault("warmup", self.spec)
+        _inject_fault(fault, self.spec)
         n_ctx = int(lc.llama_n_ctx(ctx))
         n = max(1, min(16, int(lc.llama_n_batch(ctx)), n_ctx - 1))
         bos = model.token_bos()

@@ -143,3 +143,22 @@ def test_aliases_share_one_runner_and_keep_their_own_system(tmp_path: Path) -> N
         assert "model=pirate:latest" in log or "model=pirate" in log
     finally:
         stop_daemon(d)
+
+
+def test_a_draft_model_that_crashes_its_runner_is_survived(tmp_path: Path) -> None:
+    """Speculative decoding (issue 28): the draft model's kernels crash the runner (at the draft's warm-up, before
+    any request is served): the runner is loaded again one step safer, draft included, and the request answered."""
+    d = start_daemon(tmp_path / "models", tmp_path / "daemon.log", {"CORRAL_TEST_FAULT": "draft-warmup"})
+    try:
+        create(d, "smol")
+        create(d, "smol-d", parameters={"draft_model": "smol"})
+        r = generate(d, model="smol-d")
+        assert r.status_code == 200, r.text
+        final = r.json()
+        assert final["response"].strip() and final["draft_n"] >= 0, final
+        log = d.log.read_text()
+        assert "SIGSEGV" in log and "extra buffer types off" in log
+        ps = httpx.get(d.url + "/api/ps").json()["models"]
+        assert ps[0]["draft_model"].startswith("smol") and "extra buffer types off" in ps[0]["fallback"], ps
+    finally:
+        stop_daemon(d)
