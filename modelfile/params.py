@@ -95,6 +95,11 @@ DEFAULT_OPTIONS: dict[str, OptionValue] = {
     "repeat_penalty": 1.0,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
+}
+
+#: Speculative decoding's defaults (llama-server's --draft-max/--draft-min/--draft-p-min; prompt lookup off): not
+#: Ollama options, so not in DEFAULT_OPTIONS (whose table is Ollama's), and applied where a generation reads them.
+SPECULATIVE_DEFAULTS: dict[str, OptionValue] = {
     "draft_max": 16,
     "draft_min": 0,
     "draft_p_min": 0.75,

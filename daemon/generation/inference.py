@@ -24,7 +24,14 @@ from daemon.runners.base import LoadSpec, MemoryUse, SampleParams
 from daemon.scheduling.scheduler import Adapter, Lease, ModelRef, Scheduler
 from daemon.settings import Settings, SettingsError, parse_duration
 from errors import CorralError, InvalidRequest
-from modelfile.params import DEFAULT_OPTIONS, DEPRECATED_OPTIONS, OPTION_TYPES, check_value, validate_options
+from modelfile.params import (
+    DEFAULT_OPTIONS,
+    DEPRECATED_OPTIONS,
+    OPTION_TYPES,
+    SPECULATIVE_DEFAULTS,
+    check_value,
+    validate_options,
+)
 from registry.digest import Digest
 from registry.gguf import GGUFInfo
 from registry.manifest import MEDIA_ADAPTER, MEDIA_MODEL, MEDIA_PROJECTOR
@@ -563,10 +570,10 @@ class Inference:
             json_schema=schema,
             logit_bias=logit_bias,
             # speculative decoding (issue 28): llama-server's --draft-max/--draft-min/--draft-p-min, prompt lookup
-            draft_max=int(opts.get("draft_max", DEFAULT_OPTIONS["draft_max"])),
-            draft_min=int(opts.get("draft_min", DEFAULT_OPTIONS["draft_min"])),
-            draft_p_min=float(opts.get("draft_p_min", DEFAULT_OPTIONS["draft_p_min"])),
-            draft_ngram=int(opts.get("draft_ngram", DEFAULT_OPTIONS["draft_ngram"])),
+            draft_max=int(opts.get("draft_max", SPECULATIVE_DEFAULTS["draft_max"])),
+            draft_min=int(opts.get("draft_min", SPECULATIVE_DEFAULTS["draft_min"])),
+            draft_p_min=float(opts.get("draft_p_min", SPECULATIVE_DEFAULTS["draft_p_min"])),
+            draft_ngram=int(opts.get("draft_ngram", SPECULATIVE_DEFAULTS["draft_ngram"])),
         )
 
     # -- LoRA adapters (issue 29) ------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from daemon.scheduling.scheduler import Lease
 from daemon.templates import prompt as prompts
 from daemon.templates.offload import offload
 from errors import InvalidRequest, ModelNotFound
+from modelfile.params import SPECULATIVE_DEFAULTS
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def speculating(opts: dict[str, Any]) -> bool:
     """Whether merged options ask for speculative decoding: a draft model or prompt lookup (``draft_ngram``), with
     ``draft_max`` above 0 (0 turns it off). Such a request reports ``draft_n``/``draft_n_accepted`` even when
     nothing was drafted, so that "on, but nothing drafted" reads apart from "off"."""
-    if int(opts.get("draft_max") or 0) <= 0:
+    if int(opts.get("draft_max", SPECULATIVE_DEFAULTS["draft_max"]) or 0) <= 0:
         return False
     return bool(opts.get("draft_model")) or int(opts.get("draft_ngram") or 0) > 0
 

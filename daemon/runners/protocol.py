@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, ClassVar, Literal, TypeAlias
 
-from modelfile.params import DEFAULT_OPTIONS
+from modelfile.params import DEFAULT_OPTIONS, SPECULATIVE_DEFAULTS
 
 MAX_FRAME = 256 * 1024 * 1024
 HEADER = struct.Struct(">I")
@@ -71,7 +71,7 @@ class ProtocolError(ValueError):
 def option_default(name: str) -> Any:
     """``modelfile.params.DEFAULT_OPTIONS[name]``, the one table of option defaults (typed loosely: callers read it
     through ``int()`` or ``float()``)."""
-    return DEFAULT_OPTIONS[name]
+    return DEFAULT_OPTIONS[name] if name in DEFAULT_OPTIONS else SPECULATIVE_DEFAULTS[name]
 
 
 # -- the values that cross the pipe --------------------------------------------------------------------------------

@@ -141,7 +141,8 @@ def test_a_forced_tool_call_is_the_same(daemon: Daemon) -> None:
 
 
 def test_four_streams_at_once_are_each_the_same(daemon: Daemon) -> None:
-    prompts = [f"{COPY} Then say the number {i}." for i in range(4)]
+    # four prompts that share no prefix: each evaluates its own, as the plain streams do
+    prompts = [f"Number {i}. {COPY}" for i in range(4)]
 
     def one(config: str, prompt: str) -> str:
         model, options = CONFIGS[config]
@@ -156,7 +157,10 @@ def test_four_streams_at_once_are_each_the_same(daemon: Daemon) -> None:
             assert r.status_code == 200, r.text
             return str(r.json()["message"]["content"])
 
-    expected = [one("plain", p) for p in prompts]
+    # the reference is four plain streams at once too: llama.cpp's CPU kernels may round a token's logits
+    # differently in a batch of four prompts than alone, enough to flip a near tie, with or without drafts
+    with cf.ThreadPoolExecutor(4) as ex:
+        expected = list(ex.map(one, ["plain"] * len(prompts), prompts))
     for config in ("draft", "lookup"):
         with cf.ThreadPoolExecutor(4) as ex:
             got = list(ex.map(one, [config] * len(prompts), prompts))

@@ -99,6 +99,7 @@ class FakeInference(Inference):
             system=None,
             params={},
             ref=SimpleNamespace(key="fake", name="fake"),
+            adapters=(),  # no LoRA adapters (issue 29)
         )
 
     async def _stop(self, key: str) -> None:
@@ -112,7 +113,7 @@ class FakeInference(Inference):
     def load_spec(self, ctx: Any, opts: dict[str, Any], *, embedding: bool = False) -> LoadSpec:
         return LoadSpec(model_path="fake.gguf", num_ctx=int(opts["num_ctx"]))
 
-    async def acquire(self, ctx: Any, spec: LoadSpec, keep_alive: float | None) -> Any:
+    async def acquire(self, ctx: Any, spec: LoadSpec, keep_alive: float | None, adapters: Any = ()) -> Any:
         lease = FakeLease(self.runner)
         self.leases.append(lease)
         return lease
