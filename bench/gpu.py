@@ -15,7 +15,10 @@ DIR/gpu.json as soon as it has them:
 - kv_disk: a 16,000-token prompt (and a 4,000-token one) then a question: time to first token cold, warm, after an
   unload and after a daemon restart (restored from CORRAL_KV_DISK_DIR);
 - budget: CORRAL_VRAM_BUDGET=2GiB: how many layers the daemon offloads and what decoding costs then;
-- flash: CORRAL_FLASH_ATTENTION false against true: an 8,000-token prefill and decoding after it.
+- flash: CORRAL_FLASH_ATTENTION false against true: an 8,000-token prefill and decoding after it;
+- spec: speculative decoding at 1 and 4 streams: no draft, a one-layer draft model that agrees with the model (the
+  model's layers add nothing to the residual stream, see write_model) and prompt lookup; tokens/s and acceptance;
+- lora: four LoRA adapters served by one runner, 16 streams in mixed batches against 16 streams of the base.
 The model's text is noise (random weights); its timing and memory are what a real model of that shape costs.
 """
 
@@ -64,7 +67,13 @@ def words(n: int) -> list[str]:
 
 def write_model(path: Path, n_layer: int, n_embd: int, n_ff: int, n_vocab: int, ctx: int) -> None:
     """A llama GGUF with Q4_0 random weights written as raw blocks (fast: no quantizing), SentencePiece-style words
-    with byte fallback, and an output row of zeros for </s> so that greedy decoding never ends by itself."""
+    with byte fallback, and an output row of zeros for </s> so that greedy decoding never ends by itself.
+
+    Each layer's attention output and FFN down projections are zero blocks: every matrix is still multiplied (the
+    cost is a real model's), but nothing is added to the residual stream, so the next token is a function of the
+    last one alone (norm(embedding) x output). A model of the same vocabulary and width with any number of layers
+    (the draft: one) computes the same function: the speculative section's draft agrees with the target as a
+    perfect draft model would, which bounds what speculation can gain on this card."""
     import gguf
 
     n_head, n_head_kv = max(1, n_embd // 128), max(1, n_embd // 512)
@@ -96,16 +105,20 @@ def write_model(path: Path, n_layer: int, n_embd: int, n_ff: int, n_vocab: int, 
 
     def q4(rows: int, cols: int, zero_row: int | None = None) -> np.ndarray:
         blocks = rows * (cols // 32)
-        a = np.empty((blocks, 18), np.uint8)
-        a[:, :2] = scale
-        qs = a[:, 2:].reshape(-1)
+        qs = np.empty(blocks * 16, np.uint8)
         for start in range(0, qs.size, noise.size):
             part = qs[start : start + noise.size]
             part[:] = np.roll(noise, start // 7)[: part.size]
+        a = np.empty((blocks, 18), np.uint8)
+        a[:, :2] = scale
+        a[:, 2:] = qs.reshape(blocks, 16)  # (a[:, 2:].reshape(-1) would be a copy: the blocks' bytes left unset)
         a = a.reshape(rows, (cols // 32) * 18)
         if zero_row is not None:
             a[zero_row] = 0
         return a
+
+    def zero_q4(rows: int, cols: int) -> np.ndarray:
+        return np.zeros((rows, (cols // 32) * 18), np.uint8)
 
     Q4 = gguf.GGMLQuantizationType.Q4_0
     vocab = len(tokens)
@@ -117,10 +130,10 @@ def write_model(path: Path, n_layer: int, n_embd: int, n_ff: int, n_vocab: int, 
         "attn_q": q4(n_embd, n_embd),
         "attn_k": q4(kv, n_embd),
         "attn_v": q4(kv, n_embd),
-        "attn_output": q4(n_embd, n_embd),
+        "attn_output": zero_q4(n_embd, n_embd),
         "ffn_gate": q4(n_ff, n_embd),
         "ffn_up": q4(n_ff, n_embd),
-        "ffn_down": q4(n_embd, n_ff),
+        "ffn_down": zero_q4(n_embd, n_ff),
     }
     ones = np.ones(n_embd, np.float32)
     for i in range(n_layer):
@@ -188,14 +201,17 @@ class Daemon:
     def get(self, path: str) -> Any:
         return httpx.get(self.url + path, timeout=60).json()
 
-    def generate(self, prompt: str, options: dict[str, Any], keep_alive: Any = None) -> dict[str, Any]:
+    def generate(
+        self, prompt: str, options: dict[str, Any], keep_alive: Any = None, model: str = "big"
+    ) -> dict[str, Any]:
         """Streamed raw /api/generate: time to the first chunk with text, and the final chunk's counts."""
-        body: dict[str, Any] = {"model": "big", "prompt": prompt, "raw": True, "stream": True, "options": options}
+        body: dict[str, Any] = {"model": model, "prompt": prompt, "raw": True, "stream": True, "options": options}
         if keep_alive is not None:
             body["keep_alive"] = keep_alive
         t0 = time.perf_counter()
         first = None
         final: dict[str, Any] = {}
+        text: list[str] = []
         with httpx.stream("POST", self.url + "/api/generate", json=body, timeout=900) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"{r.status_code}: {r.read().decode()[:500]}")
@@ -207,6 +223,7 @@ class Daemon:
                     raise RuntimeError(chunk["error"])
                 if first is None:  # the first chunk, text or not: a random model's first tokens are often bytes
                     first = time.perf_counter() - t0  # of no UTF-8 text yet
+                text.append(chunk.get("response", ""))
                 if chunk.get("done"):
                     final = chunk
         end = time.perf_counter() - t0
@@ -217,6 +234,9 @@ class Daemon:
             "prompt_eval_count": final.get("prompt_eval_count", 0),
             "eval_duration": final.get("eval_duration", 0) / 1e9,
             "prompt_eval_duration": final.get("prompt_eval_duration", 0) / 1e9,
+            "draft_n": final.get("draft_n", 0),
+            "draft_n_accepted": final.get("draft_n_accepted", 0),
+            "text": "".join(text),
         }
 
     def unload(self) -> None:
@@ -364,6 +384,138 @@ def kv_disk(d: Daemon, args: argparse.Namespace, res: Results, vocab_words: list
     return d
 
 
+def spec(args: argparse.Namespace, res: Results, gguf_path: Path, ctx: int) -> None:
+    """Speculative decoding on the memory-bound model: no draft, a one-layer draft model that agrees with it (the
+    bound of what a draft can gain), and prompt lookup (draft_ngram 3), at 1 and 4 streams, interleaved rounds;
+    greedy text must be the same with and without drafts."""
+    draft_path = args.work / "draft.gguf"
+    write_model(draft_path, 1, args.embd, args.ff, args.vocab, ctx=32768)
+    d = Daemon(args.work, "spec", {"CORRAL_NUM_PARALLEL": "4"})
+    try:
+        for name, text in (
+            ("big", f"FROM {gguf_path}\n"),
+            ("tiny", f"FROM {draft_path}\n"),
+            # p_min 0: a random model is never confident (its top token has ~0.3% of the probability), so the
+            # default 0.75 would stop every draft at its first token; this draft is right, whatever it believes
+            ("big-drafted", "FROM big\nPARAMETER draft_model tiny\nPARAMETER draft_p_min 0\n"),
+        ):
+            mf = args.work / f"Modelfile.{name}"
+            mf.write_text(text)
+            made = d.cli("create", name, "-f", str(mf))
+            if made.returncode:
+                res.put("spec", {"create": name, "err": made.stderr[-800:]})
+                return
+        kinds: dict[str, tuple[str, dict[str, Any]]] = {
+            "none": ("big", {}),
+            "draft": ("big-drafted", {}),
+            "lookup": ("big", {"draft_ngram": 3}),
+        }
+        rows: dict[str, list[dict[str, Any]]] = {}
+        same: dict[str, bool] = {}
+        for rnd in range(args.rounds):
+            for streams in (1, 4):
+                order = list(kinds) if rnd % 2 == 0 else list(reversed(kinds))
+                texts: dict[str, list[str]] = {}
+                for kind in order:
+                    model, extra = kinds[kind]
+
+                    def one(i: int, model: str = model, extra: dict[str, Any] = extra) -> dict[str, Any]:
+                        opts = {"num_predict": args.tokens, "temperature": 0, "num_ctx": ctx, **extra}
+                        return d.generate(f"Story number {rnd}-{i}: Once upon a time", opts, model=model)
+
+                    one(0)  # loaded (the draft model with it) before the timed round
+                    t0 = time.perf_counter()
+                    with cf.ThreadPoolExecutor(streams) as pool:
+                        got = list(pool.map(one, range(streams)))
+                    wall = time.perf_counter() - t0
+                    texts[kind] = [g["text"] for g in got]
+                    rows.setdefault(f"{kind}@{streams}", []).append(
+                        {
+                            "tok_s": sum(g["eval_count"] for g in got) / wall,
+                            "ms_per_token": statistics.median(
+                                1000 * g["eval_duration"] / max(g["eval_count"], 1) for g in got
+                            ),
+                            "draft_n": sum(g["draft_n"] for g in got),
+                            "accepted": sum(g["draft_n_accepted"] for g in got),
+                        }
+                    )
+                for kind in ("draft", "lookup"):
+                    key = f"{kind}@{streams}"
+                    same[key] = same.get(key, True) and texts[kind] == texts["none"]
+            if left(args) < 60:
+                break
+        table = {k: {m: round(statistics.median(x[m] for x in v), 3) for m in v[0]} for k, v in rows.items()}
+        for k, v in table.items():
+            base = table.get("none@" + k.split("@")[1])
+            if base and not k.startswith("none"):
+                v["x_none"] = round(v["tok_s"] / base["tok_s"], 3)
+        res.put("spec", table | {"same_text_as_no_draft": same, "rounds": len(rows.get("none@1", []))})
+        res.put("spec_ps", d.get("/api/ps"))
+    finally:
+        d.stop()
+
+
+def lora(args: argparse.Namespace, res: Results, gguf_path: Path, ctx: int) -> None:
+    """Four LoRA adapters (rank 8 on attn_q and attn_v) on the model, four models over them served by one runner:
+    16 streams spread over the four (every step a mixed batch) against 16 streams of the base alone, interleaved."""
+    sys.path.insert(0, str(REPO))
+    from tests.models import write_lora_gguf
+
+    d = Daemon(args.work, "lora", {"CORRAL_NUM_PARALLEL": "16"})
+    try:
+        made = d.cli("create", "big", "-f", str(args.work / "Modelfile"))
+        names = []
+        for i in range(4):
+            path = write_lora_gguf(args.work / f"lora{i}.gguf", gguf_path, rank=8, seed=i)
+            mf = args.work / f"Modelfile.lora{i}"
+            mf.write_text(f"FROM big\nADAPTER {path}\n")
+            made = d.cli("create", f"big-lora{i}", "-f", str(mf))
+            if made.returncode:
+                res.put("lora", {"create": i, "err": made.stderr[-800:]})
+                return
+            names.append(f"big-lora{i}")
+        opts = {"num_predict": args.tokens, "temperature": 0, "num_ctx": ctx}
+        for name in ["big", *names]:
+            d.generate("warm", {**opts, "num_predict": 2}, model=name)
+        ps = d.get("/api/ps").get("models", [])
+        rows: dict[str, list[dict[str, float]]] = {}
+        for rnd in range(args.rounds):
+            for kind in (["base", "mixed"] if rnd % 2 == 0 else ["mixed", "base"]):
+                models = ["big"] * 16 if kind == "base" else [names[i % 4] for i in range(16)]
+
+                def one(i: int, models: list[str] = models) -> dict[str, Any]:
+                    return d.generate(f"Story number {rnd}-{i}: Once upon a time", opts, model=models[i])
+
+                t0 = time.perf_counter()
+                with cf.ThreadPoolExecutor(16) as pool:
+                    got = list(pool.map(one, range(16)))
+                wall = time.perf_counter() - t0
+                rows.setdefault(kind, []).append(
+                    {
+                        "tok_s": sum(g["eval_count"] for g in got) / wall,
+                        "ms_per_step": statistics.median(
+                            1000 * g["eval_duration"] / max(g["eval_count"], 1) for g in got
+                        ),
+                    }
+                )
+            if left(args) < 40:
+                break
+        table = {k: {m: round(statistics.median(x[m] for x in v), 3) for m in v[0]} for k, v in rows.items()}
+        if "base" in table and "mixed" in table:
+            table["mixed_x_base"] = round(table["mixed"]["tok_s"] / table["base"]["tok_s"], 3)
+        res.put(
+            "lora",
+            table
+            | {
+                "runners": len(ps),
+                "ps": [{k: m.get(k) for k in ("name", "size", "size_vram", "adapters")} for m in ps],
+                "rounds": len(rows.get("base", [])),
+            },
+        )
+    finally:
+        d.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -376,9 +528,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget", type=float, default=330)
-    ap.add_argument("--only", default="offload,decode,kv_disk,budget,flash")
+    ap.add_argument("--only", default="offload,decode,kv_disk,budget,flash,spec,lora")
+    ap.add_argument("--model", type=Path, help="a model file write_model wrote beforehand with these shapes")
+    ap.add_argument("--write-model", type=Path, help="only write the model to this path, and exit")
     args = ap.parse_args()
     only = set(args.only.split(","))
+    if args.write_model:
+        write_model(args.write_model, args.layers, args.embd, args.ff, args.vocab, ctx=32768)
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
@@ -401,7 +558,10 @@ def main() -> None:
         res.put("env", {"error": repr(e)})
     t = time.monotonic()
     gguf_path = args.work / "big.gguf"
-    write_model(gguf_path, args.layers, args.embd, args.ff, args.vocab, ctx=32768)
+    if args.model:  # written beforehand (beside a build, say) by write_model with these shapes
+        gguf_path.symlink_to(args.model.resolve())
+    else:
+        write_model(gguf_path, args.layers, args.embd, args.ff, args.vocab, ctx=32768)
     res.put("model", {"bytes": gguf_path.stat().st_size, "write_s": round(time.monotonic() - t, 1)})
     vocab_words = [w for w in words(args.vocab - 259) if len(w) <= 2]
     ctx = 4096
@@ -460,6 +620,12 @@ def main() -> None:
             )
     finally:
         d.stop()
+
+    if "spec" in only and left(args) > 60:
+        spec(args, res, gguf_path, ctx)
+
+    if "lora" in only and left(args) > 60:
+        lora(args, res, gguf_path, ctx)
 
     if "kv_disk" in only and left(args) > 90:
         d = Daemon(args.work, "kv", {"CORRAL_NUM_PARALLEL": "1"})
