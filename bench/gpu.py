@@ -419,7 +419,9 @@ def spec(args: argparse.Namespace, res: Results, gguf_path: Path, ctx: int) -> N
                 for kind in order:
                     model, extra = kinds[kind]
 
-                    def one(i: int, model: str = model, extra: dict[str, Any] = extra) -> dict[str, Any]:
+                    def one(
+                        i: int, model: str = model, extra: dict[str, Any] = extra, rnd: int = rnd
+                    ) -> dict[str, Any]:
                         opts = {"num_predict": args.tokens, "temperature": 0, "num_ctx": ctx, **extra}
                         return d.generate(f"Story number {rnd}-{i}: Once upon a time", opts, model=model)
 
@@ -480,10 +482,10 @@ def lora(args: argparse.Namespace, res: Results, gguf_path: Path, ctx: int) -> N
         ps = d.get("/api/ps").get("models", [])
         rows: dict[str, list[dict[str, float]]] = {}
         for rnd in range(args.rounds):
-            for kind in (["base", "mixed"] if rnd % 2 == 0 else ["mixed", "base"]):
+            for kind in ["base", "mixed"] if rnd % 2 == 0 else ["mixed", "base"]:
                 models = ["big"] * 16 if kind == "base" else [names[i % 4] for i in range(16)]
 
-                def one(i: int, models: list[str] = models) -> dict[str, Any]:
+                def one(i: int, models: list[str] = models, rnd: int = rnd) -> dict[str, Any]:
                     return d.generate(f"Story number {rnd}-{i}: Once upon a time", opts, model=models[i])
 
                 t0 = time.perf_counter()
