@@ -10,6 +10,7 @@ import ipaddress
 import math
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,15 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
         "5m",
     ),
     "CORRAL_PRELOAD": ("models to load in the background at startup, comma-separated", ""),
+    "CORRAL_PRELOAD_PULL": (
+        "pull each CORRAL_PRELOAD model the store lacks from its registry, then load it (http:// names: plain HTTP)",
+        "false",
+    ),
+    "CORRAL_INSTANCE": ("this replica's name in /api/info, /metrics, log lines and X-Corral-Instance", "the hostname"),
+    "CORRAL_DRAIN_TIMEOUT": (
+        "on SIGTERM, how long to wait for requests in flight (readiness false first); 0 = stop at once",
+        "25s",
+    ),
     "CORRAL_PULL_BANDWIDTH": ("most bytes per second all pulls together may download, e.g. 10MB; 0 = no limit", "0"),
     "CORRAL_KV_DISK": (
         "bytes of disk the prompt cache (KV state kept across unloads and restarts) may use, e.g. 10GB; 0 = off",
@@ -257,6 +267,30 @@ def parse_load_timeout(raw: str) -> float:
     return math.inf if seconds <= 0 else seconds
 
 
+def parse_instance(raw: str) -> str:
+    """CORRAL_INSTANCE: a name of letters, digits and ``.-_:`` (it goes into headers, log lines and metric labels);
+    unset: the hostname."""
+    if not raw:
+        return socket.gethostname()
+    if len(raw) > 128 or not re.fullmatch(r"[A-Za-z0-9._:-]+", raw):
+        raise SettingsError(
+            f"CORRAL_INSTANCE={raw!r} is not a usable replica name: use at most 128 letters, digits, '.', '-', '_' "
+            "or ':' (e.g. the pod or host name)"
+        )
+    return raw
+
+
+def parse_drain_timeout(raw: str) -> float:
+    """CORRAL_DRAIN_TIMEOUT: a duration (25s, 1m) or seconds; 0 turns draining off."""
+    text = _unquote(raw)
+    if not text:
+        return 25.0
+    seconds = float(text) if re.fullmatch(r"[0-9]+(\.[0-9]*)?", text) else parse_duration(text, "CORRAL_DRAIN_TIMEOUT")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise SettingsError(f"CORRAL_DRAIN_TIMEOUT={raw} must be a duration of 0 or more, e.g. 25s or 2m")
+    return seconds
+
+
 def parse_context_length(raw: str) -> int:
     """``CORRAL_CONTEXT_LENGTH``: a number of tokens; empty or 0 = automatic (see :func:`default_context_length`)."""
     s = _unquote(raw)
@@ -425,6 +459,9 @@ class Settings:
     kv_cache_type: str = "f16"  # f16, q8_0 or q4_0
     load_timeout: float = 300.0  # seconds without load progress before a load fails; math.inf = forever
     preload: tuple[str, ...] = ()  # models loaded in the background at startup
+    preload_pull: bool = False  # pull the preloads the store lacks first (CORRAL_PRELOAD_PULL)
+    instance: str = field(default_factory=socket.gethostname)  # CORRAL_INSTANCE: this replica's name
+    drain_timeout: float = 25.0  # CORRAL_DRAIN_TIMEOUT: SIGTERM waits this long for requests in flight
     pull_bandwidth: int = 0  # bytes per second across all pulls; 0 = no limit
     # the prompt cache on disk: its bound in bytes (0 = off) and its directory (None: none, so nothing is written or
     # pruned). A Settings built in code has neither; from_env gives a share of the free disk and the user cache dir
@@ -474,6 +511,9 @@ class Settings:
             kv_cache_type=kv_type,
             load_timeout=parse_load_timeout(get("CORRAL_LOAD_TIMEOUT")),
             preload=tuple(n.strip() for n in get("CORRAL_PRELOAD").split(",") if n.strip()),
+            preload_pull=_bool(get("CORRAL_PRELOAD_PULL")),
+            instance=parse_instance(get("CORRAL_INSTANCE")),
+            drain_timeout=parse_drain_timeout(get("CORRAL_DRAIN_TIMEOUT")),
             pull_bandwidth=parse_bytes(get("CORRAL_PULL_BANDWIDTH"), "CORRAL_PULL_BANDWIDTH")
             if get("CORRAL_PULL_BANDWIDTH")
             else 0,
