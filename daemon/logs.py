@@ -85,8 +85,10 @@ def _truncate(text: str, limit: int) -> str:
 class Formatter(logging.Formatter):
     """``time=... level=... source=... msg=...``, one line per record whatever the message holds."""
 
-    def __init__(self) -> None:
-        super().__init__("time=%(asctime)s level=%(levelname)s source=%(name)s msg=%(message)s")
+    def __init__(self, instance: str | None = None) -> None:
+        # instance: CORRAL_INSTANCE, so that the lines of several replicas can be told apart once collected
+        named = f"instance={quote(instance).replace('%', '%%')} " if instance else ""
+        super().__init__(f"time=%(asctime)s level=%(levelname)s {named}source=%(name)s msg=%(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
         try:
@@ -314,12 +316,12 @@ class RateLimit(logging.Filter):
 _limiter: RateLimit | None = None
 
 
-def configure(debug: int) -> None:
+def configure(debug: int, instance: str | None = None) -> None:
     global _limiter
     logging.addLevelName(TRACE, "TRACE")
     level = logging.INFO if debug <= 0 else (logging.DEBUG if debug == 1 else TRACE)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(Formatter())
+    handler.setFormatter(Formatter(instance))
     _limiter = RateLimit(handler.handle)
     handler.addFilter(_limiter)
     root = logging.getLogger()

@@ -14,6 +14,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from daemon.api import errors
 from daemon.api.auth import APIKeyGate
 from daemon.api.disconnect import CancelOnDisconnect
+from daemon.api.lifecycle import InstanceInfo, Lifecycle, LifecycleGate, run_preloads
+from daemon.api.lifecycle import router as lifecycle_router
 from daemon.api.observe import Metrics, Observe
 from daemon.api.routes import anthropic as anthropic_routes
 from daemon.api.routes import blobs, create, embed, generate, meta, models, ps
@@ -60,22 +62,6 @@ def default_runner_factory(ref: ModelRef, spec: LoadSpec, *, load_timeout: float
     if load_timeout is None:
         return ProcessRunner(spec)
     return ProcessRunner(spec, load_timeout=load_timeout)
-
-
-async def preload_models(inference: Inference, names: tuple[str, ...]) -> None:
-    """CORRAL_PRELOAD: load each model as ``/api/generate`` with an empty prompt does (default options and
-    keep-alive), one after another; a model that cannot be loaded is logged and skipped."""
-
-    for name in names:
-        try:
-            ctx = await inference.lookup(name)
-            embedding = "completion" not in ctx.capabilities and "embedding" in ctx.capabilities
-            spec = inference.load_spec(ctx, inference.options(ctx, None), embedding=embedding)
-            lease = await inference.acquire(ctx, spec, None)
-            lease.release()
-            log.info("preloaded model=%s (CORRAL_PRELOAD)", ctx.name.short())
-        except Exception as exc:  # noqa: BLE001 - a bad name or a failed load never stops the daemon
-            log.warning("CORRAL_PRELOAD: cannot preload model=%s: %s", name, exc)
 
 
 def default_estimator(catalog: Catalog) -> Callable[[ModelRef, LoadSpec], MemoryUse]:
@@ -163,8 +149,10 @@ def create_app(
         scheduler.start()
         log.info("corral ready version=%s models=%s", VERSION, the_store.root)
         preloading = (
-            asyncio.ensure_future(preload_models(app.state.inference, settings.preload)) if settings.preload else None
-        )  # in the background: startup does not wait for the loads
+            asyncio.ensure_future(run_preloads(app.state, settings.preload, pull=settings.preload_pull))
+            if settings.preload
+            else None
+        )  # in the background: startup does not wait for the loads (readiness does: daemon/api/lifecycle.py)
         try:
             yield
         finally:
@@ -175,6 +163,8 @@ def create_app(
 
     app = FastAPI(title="corral", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.settings = settings
+    app.state.lifecycle = lifecycle = Lifecycle(settings.instance, settings.drain_timeout)
+    lifecycle.preloads.update(dict.fromkeys(settings.preload, "waiting"))  # not ready until they are loaded
     app.state.store = the_store
     app.state.catalog = catalog
     app.state.scheduler = scheduler
@@ -210,7 +200,9 @@ def create_app(
     app.include_router(rerank_routes.router)
     app.include_router(slots_routes.router)
     app.include_router(lora_routes.router)
+    app.include_router(lifecycle_router)  # /health/ready
     metrics = Metrics(scheduler)
+    metrics.registry.register(InstanceInfo(settings.instance))
     app.state.metrics = metrics
 
     @app.get("/metrics")
@@ -226,5 +218,6 @@ def create_app(
         app.add_middleware(APIKeyGate, key=settings.api_key)
     app.add_middleware(Observe, metrics=metrics)
     app.add_middleware(DoorGuard, loopback=settings.host.is_loopback, origins=settings.origins)
-    app.add_middleware(errors.RefusalLog, log_prompts=settings.log_prompts)  # outermost: sees every 4xx
+    app.add_middleware(errors.RefusalLog, log_prompts=settings.log_prompts)  # sees every 4xx
+    app.add_middleware(LifecycleGate, lifecycle=lifecycle)  # outermost: X-Corral-Instance, drain refusals
     return app

@@ -1,5 +1,5 @@
-"""API keys: with ``CORRAL_API_KEY`` set, every endpoint but ``/``, ``/api/version`` and ``/health`` needs
-``Authorization: Bearer <key>`` or ``x-api-key: <key>``. Keys are compared in constant time and never logged.
+"""API keys: with ``CORRAL_API_KEY`` set, every endpoint but ``/``, ``/api/version``, ``/health`` and ``/health/ready``
+needs ``Authorization: Bearer <key>`` or ``x-api-key: <key>``. Keys are compared in constant time and never logged.
 A wrong or missing key gets 401 in the shape of the API that was called."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 from daemon.api.security import ASGIApp, Receive, Scope, Send
 
-OPEN_PATHS = frozenset({"/", "/api/version", "/health"})
+OPEN_PATHS = frozenset({"/", "/api/version", "/health", "/health/ready"})  # liveness and readiness probes
 
 
 def presented_key(headers: dict[str, str]) -> str | None:

@@ -33,10 +33,12 @@ import asyncio
 import contextlib
 import errno
 import logging
+import signal
 import socket
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, ClassVar
 
 import h11
@@ -45,6 +47,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from daemon import logs
 from daemon.api.app import create_app
+from daemon.api.lifecycle import Lifecycle
 from daemon.settings import Settings
 from errors import CorralError
 from registry.store import Store
@@ -354,9 +357,31 @@ class _Protocol(H11Protocol):
 
 
 class _Server(uvicorn.Server):
-    """uvicorn re-raises SIGTERM/SIGINT after a graceful shutdown; a clean shutdown should exit 0 instead."""
+    """uvicorn re-raises SIGTERM/SIGINT after a graceful shutdown; a clean shutdown should exit 0 instead.
+
+    SIGTERM drains when the app has a :class:`~daemon.api.lifecycle.Lifecycle` with a drain timeout: readiness goes
+    503 at once, requests in flight finish (new ones are served during the grace, then refused with 503), and only
+    then does uvicorn's shutdown start. A second SIGTERM, or SIGINT, shuts down at once as before."""
 
     gate: _Gate
+    lifecycle: Lifecycle | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        life = self.lifecycle
+        if sig == signal.SIGTERM and life is not None and life.drain_timeout > 0 and not self.should_exit:
+            if not life.draining:
+                life.begin_drain()  # the main loop's tick (every 0.1 s) ends the drain
+                return
+            log.info("second SIGTERM while draining: stopping now")
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        life = self.lifecycle
+        if life is not None and life.draining and not self.should_exit and life.drained():
+            self.should_exit = True
+            if life.in_flight:  # the drain timed out: what is left gets a short grace from uvicorn, not another 10 s
+                self.config.timeout_graceful_shutdown = 1
+        return await super().on_tick(counter)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -389,7 +414,7 @@ class _Server(uvicorn.Server):
         loop.default_exception_handler(context)
 
 
-def make_server(app: Any, *, limits: Limits, debug: int = 0) -> _Server:
+def make_server(app: Any, *, limits: Limits, debug: int = 0, lifecycle: Lifecycle | None = None) -> _Server:
     gate = _Gate(limits)
     protocol = type("CorralH11Protocol", (_Protocol,), {"gate": gate})
     # ws="none": the API has no WebSocket routes, and an upgraded connection would leave the gate's count
@@ -405,6 +430,7 @@ def make_server(app: Any, *, limits: Limits, debug: int = 0) -> _Server:
     )
     server = _Server(config)
     server.gate = gate
+    server.lifecycle = lifecycle
     return server
 
 
@@ -419,7 +445,7 @@ def serve(settings: Settings, *, insecure: bool = False) -> int:
             "use and change your models. Set CORRAL_API_KEY (or CORRAL_API_KEY_FILE), bind to 127.0.0.1, or pass "
             "--insecure if you really mean to serve without a key"
         )
-    logs.configure(settings.debug)
+    logs.configure(settings.debug, settings.instance)
     limits = Limits.for_open_files(raise_open_file_limit())
     store = Store(settings.models)
     store.lock()
@@ -427,7 +453,7 @@ def serve(settings: Settings, *, insecure: bool = False) -> int:
         sock = bind(settings)
         log.info("listening address=%s models=%s max_connections=%d", settings.host, store.root, limits.max_connections)
         app = create_app(settings, store=store)
-        make_server(app, limits=limits, debug=settings.debug).run(sockets=[sock])
+        make_server(app, limits=limits, debug=settings.debug, lifecycle=app.state.lifecycle).run(sockets=[sock])
     finally:
         store.unlock()
         logs.flush()

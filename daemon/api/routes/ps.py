@@ -149,6 +149,7 @@ def info(request: Request) -> dict[str, Any]:
     if getattr(state.inference, "default_num_ctx", None) is not None:
         in_force["default_num_ctx"] = state.inference.default_num_ctx  # what context_length 0 (automatic) chose
     return {
+        "instance": state.settings.instance,  # CORRAL_INSTANCE: which replica answered (issue 30)
         "hardware": state.hardware.to_json(),
         "budgets": state.budgets_json,
         "settings": in_force,
