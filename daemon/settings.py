@@ -81,6 +81,15 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
         "directory of the prompt cache on disk (never inside CORRAL_MODELS)",
         "<user cache dir>/corral/kv",
     ),
+    "CORRAL_RPC_SERVERS": (
+        "llama.cpp rpc-servers (host:port, comma-separated) that runners offload layers to, budgeted by the memory "
+        "each reports; one that does not answer at load is left out (scripts/build-rpc.sh builds rpc-server)",
+        "",
+    ),
+    "CORRAL_LLAMA_LIB_PATH": (
+        "directory of RPC-enabled libllama/libggml for runners when llama-cpp-python has no RPC backend",
+        "scripts/build-rpc.sh's ~/.cache/corral-rpc/<version>/lib",
+    ),
 }
 
 KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
@@ -467,6 +476,9 @@ class Settings:
     # pruned). A Settings built in code has neither; from_env gives a share of the free disk and the user cache dir
     kv_disk: int = 0
     kv_disk_dir: Path | None = None
+    # one model over several hosts (issue 30): llama.cpp rpc-servers, and the RPC-enabled libraries for runners
+    rpc_servers: tuple[str, ...] = ()
+    llama_lib_path: str = ""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -519,7 +531,20 @@ class Settings:
             else 0,
             kv_disk=parse_kv_disk(environ.get("CORRAL_KV_DISK", ""), kv_dir),
             kv_disk_dir=kv_dir,
+            rpc_servers=parse_rpc_servers(environ.get("CORRAL_RPC_SERVERS", "")),
+            llama_lib_path=get("CORRAL_LLAMA_LIB_PATH"),
         )
+
+
+def parse_rpc_servers(raw: str) -> tuple[str, ...]:
+    """``CORRAL_RPC_SERVERS``: host:port entries, comma-separated (daemon/rpc.py); a bad one stops the daemon with
+    a message naming it."""
+    from daemon.rpc import RpcSetupError, parse_servers
+
+    try:
+        return parse_servers(raw)
+    except RpcSetupError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def env_help() -> str:
