@@ -177,6 +177,10 @@ class Runner:
     def load(self, spec: LoadSpec) -> None:
         import psutil
 
+        if spec.rpc_servers:  # llama.cpp's RPC backend: the servers' devices come first (daemon/llama/rpc.py)
+            from daemon.llama import rpc
+
+            spec = rpc.prepare(self.lc, spec)
         self.spec = spec
         threads = spec.num_thread or psutil.cpu_count(logical=False) or os.cpu_count() or 1
         n_parallel = max(1, spec.num_parallel)

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TypeVar
 
 from daemon.exits import describe_exit, exit_signal
+from daemon.rpc import RpcLoad, check_load, placement
 from daemon.runners.base import (
     SLOT_ERRORS,
     Embedding,
@@ -182,7 +183,8 @@ _BUFFER_SIZE = re.compile(r"(\w+?)(?:_Mapped)?\s+(model|KV|compute|output|RS) bu
 def parse_llama_log(lines: Iterable[str]) -> MemoryUse:
     """Sum llama.cpp's "<device> <kind> buffer size = N MiB" lines (a runner's load log) into the bytes of RAM and
     VRAM the model takes."""
-    ram = vram = 0
+    lines = list(lines)
+    ram, vram = 0, sum(placement(lines).values())  # llama.cpp RPC servers' buffers (issue 30) count as VRAM
     for line in lines:
         m = _BUFFER_SIZE.search(line)
         if not m:
@@ -248,6 +250,7 @@ class ProcessRunner:
         self._decoded = False  # a decode finished: a crash from now on is not the configuration's first-decode fault
         self._stderr_logged = False
         self._kv_disk: KVDiskInfo | None = None  # the prompt cache on disk, as the last SlotsReply had it
+        self.rpc: RpcLoad | None = None  # this load's llama.cpp RPC servers (issue 30), as /api/ps shows them
 
     # -- Runner protocol -------------------------------------------------------------------------------------------
     @property
@@ -270,6 +273,8 @@ class ProcessRunner:
         return self._kv_disk
 
     async def start(self) -> None:
+        if self.spec.rpc_servers:  # servers that do not answer now are left out, their layers kept here
+            self.spec, self.rpc = await check_load(self.spec, self._log)
         env = dict(self._env if self._env is not None else os.environ)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -335,6 +340,8 @@ class ProcessRunner:
             )
         self._info = msg.info
         self._memory = parse_llama_log(msg.info.log_lines)
+        if self.rpc is not None:
+            self.rpc.bytes = placement(msg.info.log_lines)
         self._log.info(
             "runner loaded pid=%s model=%s ram=%d vram=%d",
             self.pid,

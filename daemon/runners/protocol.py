@@ -113,6 +113,10 @@ class LoadSpec:
     # ``num_gpu``)
     draft_path: str = ""
     draft_num_gpu: int = 0
+    # one model over several hosts (issue 30, CORRAL_RPC_SERVERS): the llama.cpp rpc-servers ("host:port") this
+    # runner offloads layers to, llama.cpp's first devices; with them, ``tensor_split`` has one share per server
+    # (in this order), then one per local GPU (daemon/rpc.py, daemon/llama/rpc.py)
+    rpc_servers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
