@@ -26,6 +26,7 @@ from daemon.api.routes import rerank as rerank_routes
 from daemon.api.routes import responses as responses_routes
 from daemon.api.routes import slots as slots_routes
 from daemon.api.routes import transfer as transfer_routes
+from daemon.api.routes import ui as ui_routes
 from daemon.api.security import DoorGuard
 from daemon.generation.inference import Inference
 from daemon.models.catalog import Catalog
@@ -200,6 +201,7 @@ def create_app(
     app.include_router(rerank_routes.router)
     app.include_router(slots_routes.router)
     app.include_router(lora_routes.router)
+    app.include_router(ui_routes.router)  # the web page (issue 31)
     app.include_router(lifecycle_router)  # /health/ready
     metrics = Metrics(scheduler)
     metrics.registry.register(InstanceInfo(settings.instance))

@@ -1,5 +1,6 @@
-"""API keys: with ``CORRAL_API_KEY`` set, every endpoint but ``/``, ``/api/version``, ``/health`` and ``/health/ready``
-needs ``Authorization: Bearer <key>`` or ``x-api-key: <key>``. Keys are compared in constant time and never logged.
+"""API keys: with ``CORRAL_API_KEY`` set, every endpoint but ``/``, ``/api/version``, ``/health``, ``/health/ready``
+and the web page's files (``/ui``) needs
+``Authorization: Bearer <key>`` or ``x-api-key: <key>``. Keys are compared in constant time and never logged.
 A wrong or missing key gets 401 in the shape of the API that was called."""
 
 from __future__ import annotations
@@ -11,6 +12,12 @@ from typing import Any
 from daemon.api.security import ASGIApp, Receive, Scope, Send
 
 OPEN_PATHS = frozenset({"/", "/api/version", "/health", "/health/ready"})  # liveness and readiness probes
+
+
+def open_path(path: str) -> bool:
+    """``/``, ``/api/version``, ``/health`` and the web page's own files (``/ui``, ``/ui/<asset>``: the page asks
+    for the key and sends it with the API calls it makes)."""
+    return path in OPEN_PATHS or path == "/ui" or path.startswith("/ui/")
 
 
 def presented_key(headers: dict[str, str]) -> str | None:
@@ -43,7 +50,7 @@ class APIKeyGate:
         self.key = key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or open_path(scope["path"]) or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}

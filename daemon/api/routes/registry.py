@@ -23,11 +23,12 @@ from daemon.models.catalog import Catalog
 from daemon.runners import kvstore
 from daemon.runners.base import LoadSpec
 from daemon.settings import Settings
-from errors import CorralError, InvalidRequest
+from errors import CorralError, InvalidRequest, NotFound
 from registry.credentials import auth_files
 from registry.digest import Digest
 from registry.download import Downloads
 from registry.pull import Puller
+from registry.pull_jobs import PullJobs
 from registry.push import Pusher
 from registry.store import TEMP_PREFIX, PrunePlan, Store, disk_bytes
 
@@ -88,6 +89,61 @@ async def pull(request: Request) -> Response:
     )
     it = await run_in_threadpool(lambda: puller.run(req.model_name, insecure=req.insecure))
     return await progress_response(it, stream=req.stream)
+
+
+def pull_jobs(request: Request) -> PullJobs:
+    """The app's table of background pulls (made on first use)."""
+    state = request.app.state
+    with _downloads_lock:
+        if not hasattr(state, "pull_jobs"):
+            state.pull_jobs = PullJobs()
+    return state.pull_jobs
+
+
+class PullJobRequest(NamedRequest):
+    insecure: StrictBool = False
+
+
+@router.post("/api/pulls")
+async def start_pull_job(request: Request) -> dict[str, Any]:
+    """corral: start a pull that runs in the daemon whoever watches it (the web page's pulls survive a reload), or
+    return the one already running under this name. Its progress: ``GET /api/pulls``."""
+    req = await read_model(request, PullJobRequest)
+    note(model=req.model_name)
+    if not req.model_name:
+        raise InvalidRequest("model is required")
+    app = request.app.state
+    catalog: Catalog = app.catalog
+    metrics = getattr(app, "metrics", None)
+    puller = Puller(
+        catalog.store,
+        downloads(request),
+        catalog.lock,
+        prune=not app.settings.noprune,
+        auth_files=_auth_files(app.settings),
+        on_bytes=metrics.pulled_bytes.inc if metrics is not None else None,
+        interval=0.25,
+    )
+    name = req.model_name
+    job = pull_jobs(request).start(name, req.insecure, lambda: puller.run(name, insecure=req.insecure))
+    return job.to_json()
+
+
+@router.get("/api/pulls")
+def list_pull_jobs(request: Request) -> dict[str, Any]:
+    """corral: the background pulls running, and those that ended in the last minutes (``done``, ``error``), each
+    with its layers' bytes, speed and ETA."""
+    return {"pulls": pull_jobs(request).list()}
+
+
+@router.delete("/api/pulls")
+async def cancel_pull_job(request: Request) -> dict[str, Any]:
+    """corral: cancel a background pull by the name it was started with."""
+    req = await read_model(request, PullJobRequest)
+    job = pull_jobs(request).cancel(req.model_name)
+    if job is None:
+        raise NotFound(f"no background pull of {req.model_name!r}: GET /api/pulls lists them")
+    return job.to_json()
 
 
 @router.post("/api/push")
