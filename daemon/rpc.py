@@ -465,3 +465,17 @@ class RpcPool:
             "lib_dir": "" if self.libs is None else str(self.libs),
             **({"error": self.error} if self.error else {}),
         }
+
+
+def rpc_budgets(b: Any, pool: RpcPool) -> Any:
+    """The daemon's budgets (``hardware.Budgets``) with the servers' memory added to the offload (VRAM) budget:
+    what a model offloads may go to the local GPUs or the servers. ``gpu_budgets`` stays the local GPUs'."""
+    extra = pool.budget
+    if extra <= 0:
+        return b
+    return dataclasses.replace(
+        b,
+        vram=b.vram + extra,
+        vram_source=f"{b.vram_source} + {len(pool.active)} llama.cpp RPC server(s) ({extra} bytes)",
+        notes=(*b.notes, f"RPC servers {', '.join(s.endpoint for s in pool.active)} lend {extra} bytes to offloads"),
+    )

@@ -30,6 +30,7 @@ from daemon.api.routes import ui as ui_routes
 from daemon.api.security import DoorGuard
 from daemon.generation.inference import Inference
 from daemon.models.catalog import Catalog
+from daemon.rpc import RpcPool, rpc_budgets
 from daemon.runners.base import LoadSpec, MemoryUse, Runner
 from daemon.scheduling.eviction import Budget
 from daemon.scheduling.fallback import Fallbacks, machine_fingerprint
@@ -56,13 +57,16 @@ def startup_prune(store: Store, settings: Settings) -> None:
         log.info("prune removed the prompt caches on disk of models that are gone bytes_freed=%d", kv_freed)
 
 
-def default_runner_factory(ref: ModelRef, spec: LoadSpec, *, load_timeout: float | None = None) -> Runner:
-    """A llama.cpp runner process; ``load_timeout``: CORRAL_LOAD_TIMEOUT (None: the runner's default)."""
+def default_runner_factory(
+    ref: ModelRef, spec: LoadSpec, *, load_timeout: float | None = None, env: dict[str, str] | None = None
+) -> Runner:
+    """A llama.cpp runner process; ``load_timeout``: CORRAL_LOAD_TIMEOUT (None: the runner's default); ``env``: its
+    environment (None: the daemon's; CORRAL_RPC_SERVERS may point it at RPC-enabled libraries, daemon/rpc.py)."""
     from daemon.runners.process import ProcessRunner
 
     if load_timeout is None:
-        return ProcessRunner(spec)
-    return ProcessRunner(spec, load_timeout=load_timeout)
+        return ProcessRunner(spec, env=env)
+    return ProcessRunner(spec, load_timeout=load_timeout, env=env)
 
 
 def default_estimator(catalog: Catalog) -> Callable[[ModelRef, LoadSpec], MemoryUse]:
@@ -113,10 +117,14 @@ def create_app(
     catalog = Catalog(the_store)
     hw = detect()
     the_budgets = budgets(hw, settings.ram_budget, settings.vram_budget)
+    # llama.cpp rpc-servers (issue 30): probed once here (bounded), their memory added to the offload budget
+    rpc_pool = RpcPool.start(settings.rpc_servers, settings.llama_lib_path)
+    the_budgets = rpc_budgets(the_budgets, rpc_pool)
     total_vram = sum(g.total_vram for g in hw.gpus) if hw.gpu_offload else 0  # the GPUs llama.cpp can use
     default_num_ctx = default_context_length(total_vram, settings.context_length)
     scheduler = Scheduler(
-        runner_factory=runner_factory or functools.partial(default_runner_factory, load_timeout=settings.load_timeout),
+        runner_factory=runner_factory
+        or functools.partial(default_runner_factory, load_timeout=settings.load_timeout, env=rpc_pool.env()),
         estimate=estimator or default_estimator(catalog),
         budget=lambda: Budget(
             ram=the_budgets.ram, vram=the_budgets.vram, max_loaded=settings.max_loaded_models, shared=the_budgets.shared
@@ -170,6 +178,7 @@ def create_app(
     app.state.catalog = catalog
     app.state.scheduler = scheduler
     app.state.hardware = hw
+    app.state.rpc = rpc_pool
     app.state.budgets_json = {
         "ram": the_budgets.ram,
         "vram": the_budgets.vram,
@@ -188,6 +197,7 @@ def create_app(
         physical_cores=hw.physical_cores,
         default_num_ctx=default_num_ctx,
         gpu_budgets=the_budgets.gpu_budgets,
+        rpc=rpc_pool,
         shared_memory=the_budgets.shared,
     )
     errors.install(app)

@@ -20,6 +20,8 @@ from daemon.chat.pipeline import ChatModel
 from daemon.generation import lora
 from daemon.models.catalog import Catalog
 from daemon.models.draft import Draft, check_vocabulary, draft_option, find_draft
+from daemon.rpc import RpcPool
+from daemon.rpc import split as rpc_split
 from daemon.runners.base import LoadSpec, MemoryUse, SampleParams
 from daemon.scheduling.scheduler import Adapter, Lease, ModelRef, Scheduler
 from daemon.settings import Settings, SettingsError, parse_duration
@@ -150,7 +152,9 @@ class Inference:
         default_num_ctx: int = 4096,
         gpu_budgets: tuple[int, ...] = (),
         shared_memory: bool = False,
+        rpc: RpcPool | None = None,
     ) -> None:
+        self.rpc = rpc  # llama.cpp rpc-servers (CORRAL_RPC_SERVERS): their budgets are part of vram_budget
         self.catalog = catalog
         self.gpu_budgets = gpu_budgets  # VRAM budget per visible GPU, in llama.cpp's device order (hardware.Budgets)
         self.scheduler = scheduler
@@ -392,6 +396,7 @@ class Inference:
             kv_key=self.kv_key_for(ctx, kv_type, flash_attn) if kv_disk else "",  # the base's, shared
             draft_path="" if draft is None else str(draft.path),
             draft_num_gpu=draft_gpu,
+            rpc_servers=tuple(s.endpoint for s in self.rpc.active) if self.rpc is not None and num_gpu else (),
         )
 
     def kv_key_for(self, ctx: ModelContext, kv_type: str, flash_attn: str) -> str:
@@ -511,7 +516,10 @@ class Inference:
         self, ctx: ModelContext, opts: dict[str, Any], num_ctx: int, num_batch: int, num_parallel: int, num_gpu: int
     ) -> tuple[int, tuple[float, ...]]:
         """``main_gpu`` and ``tensor_split`` for this load over the visible GPUs (see ``gpu_placement``), from the
-        VRAM the offloaded layers need."""
+        VRAM the offloaded layers need. With llama.cpp RPC servers, the layers are spread over the servers and the
+        local GPUs in proportion to their budgets (``daemon.rpc.split``)."""
+        if num_gpu and self.rpc is not None and self.rpc.active:
+            return 0, rpc_split(self.rpc.budgets, self.gpu_budgets)
         if num_gpu == 0 or len(self.gpu_budgets) <= 1:
             return self.gpu_placement(self.gpu_budgets, 0, opts.get("main_gpu"))  # nothing to split
         est = self._estimate(ctx, num_ctx, num_batch, num_parallel, num_gpu, self.settings.kv_cache_type)

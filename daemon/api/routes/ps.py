@@ -102,6 +102,8 @@ async def ps(request: Request) -> dict[str, Any]:
                 **({"fallback": e.fallback} if e.fallback else {}),  # corral: the safer configuration in force, and why
                 **({"slots": slots} if slots is not None else {}),  # corral: busy, and cached tokens for reuse
                 **({"kv_disk": kv_disk} if kv_disk is not None else {}),  # corral: the prompt cache on disk
+                # corral: the llama.cpp RPC servers this load offloads to, the bytes each holds, those left out
+                **({"rpc": rpc.to_json()} if (rpc := getattr(e.runner, "rpc", None)) is not None else {}),
             }
         )
     return {"models": models}
@@ -157,4 +159,6 @@ def info(request: Request) -> dict[str, Any]:
         # corral: the safer runner configurations chosen after native crashes on this machine
         # (daemon/scheduling/fallback.py)
         "runner_fallbacks": fallbacks.remembered() if fallbacks is not None else [],
+        # corral: llama.cpp RPC servers (CORRAL_RPC_SERVERS) as they answered at startup, and their budget
+        **({"rpc": state.rpc.to_json()} if getattr(state, "rpc", None) is not None and state.rpc.endpoints else {}),
     }
