@@ -122,6 +122,15 @@ SPEC_MAX_STREAMS_GPU = 16
 # Before the engine has timed steps of several sizes, an extra token in a decode step is taken to cost this share of
 # a one-token step (speculative.CostModel): measured for SmolLM2 on 2 CPU cores (~0.3); on a GPU a step of a few
 # tokens costs about what one does
+# LoRA adapter sets take turns: llama.cpp applies adapters to the whole context, and a change of the set makes it
+# rebuild its scheduler and reserve its graphs before the next decode (measured: ~5 ms for SmolLM2 on 2 CPU cores,
+# ~25 ms for an 8B on an H200, where a step of four rows costs ~7). A step decodes one set's sequences; the set keeps
+# the turn while it has work, for as long as makes the switch that started it at most TURN_SWITCH_SHARE of the turn
+# (never longer than TURN_MAX seconds, so another set's requests wait at most that per set ahead of them); then the
+# set served longest ago goes. SWITCH_COST_PRIOR until the runner measured its own switches.
+TURN_SWITCH_SHARE = 0.1
+TURN_MAX = 0.25
+SWITCH_COST_PRIOR = 0.005
 SPEC_TOKEN_COST = 0.3
 SPEC_TOKEN_COST_GPU = 0.05
 
@@ -245,7 +254,11 @@ class Engine:
         self._drop_later: set[str] = set()
         self._applied: AdapterSet = ()
         self.default_adapters: AdapterSet = ()  # what a request naming none is computed under (LoadSpec.adapters)
-        self._group_turn = 0  # which adapter set's batch goes first in a step (they take turns)
+        # adapter sets' turns (TURN_*): the set holding it, since when, when each set was last served, and what a
+        # switch costs here (seconds, measured on decode steps after one)
+        self._turn_since = 0.0
+        self._served: dict[AdapterSet, float] = {}
+        self.switch_cost = SWITCH_COST_PRIOR
         self.cache_bytes = max(0, cache_bytes)
         self.saved: list[Saved] = []  # oldest first
         self.spare: list[np.ndarray] = []  # buffers of entries that left, written once already: fast to reuse
@@ -981,6 +994,7 @@ class Engine:
                 s.seq is not None and s.seq is not seq and s.seq.leader is not seq for s in self.slots
             )
             limit = IMAGE_SLICE if others else left
+            self._apply_adapters(seq.adapters)  # an image's positions are computed under its sequence's adapters
             n = self._eval_media(seq.media, index, offset, at, slot.seq_id, left == len(seq.rest), limit)
             if not 0 < n <= left:
                 raise RuntimeError(f"{n} image positions evaluated of {left}")
@@ -1091,15 +1105,18 @@ class Engine:
         # row unless the newcomers outnumber the running sequences (a burst of arrivals), so a stream of arrivals
         # cannot stall decoding; a longer prompt is prefilled in chunks alongside decoding.
         plan: dict[int, list[int]] = {}
-        prefilling = [s.seq for s in self.slots if s.seq is not None and s.seq.pending]
+        turn = self._turn()  # the adapter set whose sequences this step serves (all of them when there is one set)
+        prefilling = [s.seq for s in self.slots if s.seq is not None and s.seq.pending and s.seq.adapters == turn]
         alone = False
         if prefilling and sum(len(q.pending) for q in prefilling) <= min(self.n_batch, self.chunk):
-            running = sum(1 for s in self.slots if s.seq is not None and s.seq.next_token is not None)
+            running = sum(
+                1 for s in self.slots if s.seq is not None and s.seq.next_token is not None and s.seq.adapters == turn
+            )
             alone = running > 0 and (not self._alone_last or len(prefilling) >= running)
         self._alone_last = alone
         for slot in self.slots:
             seq = slot.seq
-            if alone or seq is None or seq.next_token is None:
+            if alone or seq is None or seq.next_token is None or seq.adapters != turn:
                 continue
             if len(slot.tokens) + 1 > self.n_ctx_slot and not self._shift(seq):
                 self._finish(seq, "length")
@@ -1119,25 +1136,39 @@ class Engine:
                 del seq.pending[: len(chunk)]
                 plan[seq.slot.seq_id] = chunk
                 budget -= len(chunk)
-        # one batch per set of LoRA adapters (llama.cpp applies adapters to a whole context, as llama-server batches
-        # only slots of one set together), each set's sequences in sequence-id order; the sets take turns going
-        # first, so none waits behind the others step after step
-        groups: dict[AdapterSet, dict[int, list[int]]] = {}
-        for slot in self.slots:
-            take = plan.get(slot.seq_id)
-            if take and slot.seq is not None:
-                groups.setdefault(slot.seq.adapters, {})[slot.seq_id] = take
-        keys = list(groups)
-        if len(keys) > 1:
-            # the set the context holds goes first (a switch costs llama.cpp a new compute graph: ~5 ms for
-            # SmolLM2 on 2 CPU cores), the others take turns after it
-            rest = [k for k in keys if k != self._applied]
-            turn = self._group_turn % len(rest)
-            self._group_turn += 1
-            keys = [k for k in keys if k == self._applied] + rest[turn:] + rest[:turn]
-        for key in keys:
-            self._apply_adapters(key)
-            self._decode_plan(groups[key], decode_only and len(keys) == 1)
+        if not plan:
+            return
+        switched = turn != self._applied
+        self._apply_adapters(turn)
+        self._served[turn] = time.perf_counter()
+        seconds = self._decode_plan(plan, decode_only and not switched)
+        line = self.spec_cost.line()
+        if switched and decode_only and line is not None:
+            # what the decode after the switch took beyond a decode of as many tokens: the switch's cost
+            extra = max(0.0, seconds - (line[0] + line[1] * sum(len(t) for t in plan.values())))
+            self.switch_cost = 0.7 * self.switch_cost + 0.3 * extra
+
+    def _turn(self) -> AdapterSet:
+        """The LoRA adapter set this step serves (TURN_*): the one the context holds while it has work and its turn
+        lasts, else the set with work served longest ago (one never served first)."""
+        sets = {
+            s.seq.adapters for s in self.slots if s.seq is not None and (s.seq.next_token is not None or s.seq.pending)
+        }
+        now = time.perf_counter()
+        if self._applied in sets:
+            if len(sets) == 1:
+                return self._applied
+            length = min(TURN_MAX, self.switch_cost * (1 - TURN_SWITCH_SHARE) / TURN_SWITCH_SHARE)
+            if now - self._turn_since < length:
+                return self._applied
+            sets.discard(self._applied)
+        if not sets:
+            return self._applied
+        turn = min(sets, key=lambda k: (self._served.get(k, 0.0), k))
+        self._turn_since = now
+        for gone in [k for k in self._served if k not in sets and k != self._applied and k != turn]:
+            del self._served[gone]  # forgotten once idle: a set coming back is served as a newcomer
+        return turn
 
     # -- LoRA adapters (engine thread: through ``call``) -------------------------------------------------------------
     def add_adapter(self, path: str, ptr: Any) -> None:
@@ -1181,9 +1212,9 @@ class Engine:
             raise EngineError(f"llama.cpp could not apply the LoRA adapters ({rc})", 500)
         self._applied = key
 
-    def _decode_plan(self, plan: dict[int, list[int]], decode_only: bool) -> None:
+    def _decode_plan(self, plan: dict[int, list[int]], decode_only: bool) -> float:
         """One ``llama_decode`` of the tokens ``plan`` puts after each slot's KV, and the sampling of every
-        sequence that gets logits from it (``_verify`` when some verify drafts)."""
+        sequence that gets logits from it (``_verify`` when some verify drafts). Returns the decode's seconds."""
         lc, batch = self.lc, self._batch
         # laid out in sequence-id order: llama.cpp splits a batch over several KV streams into passes of consecutive
         # sequence ids with as many tokens each, so out of order it would run extra passes. The batch's arrays are
@@ -1215,7 +1246,7 @@ class Engine:
                 outputs.append(seq)
         n = len(toks)
         if n == 0:
-            return
+            return 0.0
         self._tok[:n] = toks
         self._pos[:n] = poss
         self._sid[:n] = sids
@@ -1230,11 +1261,12 @@ class Engine:
         if rc != 0:
             raise EngineError(f"llama_decode failed ({rc}): the context is full or the batch is too large", 500)
         now = time.perf_counter_ns()
+        seconds = (now - started) / 1e9
         if decode_only:
-            self.spec_cost.observe_step(n, (now - started) / 1e9)
+            self.spec_cost.observe_step(n, seconds)
         if drafting:
             self._verify(outputs, self._logits(len(rows)), now)
-            return
+            return seconds
         # a view of llama.cpp's logits, not a copy: they are read (and penalised in place) before the next decode
         logits = self._logits(len(outputs))
         for i, q in enumerate(outputs):
@@ -1249,7 +1281,7 @@ class Engine:
                 if seq.first_at == 0:
                     seq.first_at, self._first_token = now, True
                 self._accept(seq, tok, None)
-            return
+            return seconds
         lp_rows = {i: logits[i].copy() for i, q in enumerate(outputs) if q.top_logprobs is not None}
         constrained = [i for i, q in enumerate(outputs) if q.grammar is not None]
         unconstrained = {i: logits[i].copy() for i in constrained}
@@ -1265,6 +1297,7 @@ class Engine:
             if seq.first_at == 0:
                 seq.first_at, self._first_token = now, True
             self._accept(seq, tok, lp_rows.get(i))
+        return seconds
 
     # -- speculative decoding (speculative.py) --------------------------------------------------------------------
     def _draft(self, plan: dict[int, list[int]]) -> None:

@@ -164,3 +164,43 @@ def test_an_adapter_that_does_not_fit_the_base_is_a_400(base: Path, tmp_path: Pa
         assert wait_done(chan, [2])[2]["type"] == "done"
     finally:
         r.close()
+
+
+def test_adapter_sets_take_turns_of_several_steps_and_none_starves(base: Path, loras: list[str]) -> None:
+    """A change of the context's adapter set costs llama.cpp a scheduler reserve (engine.TURN_*): a step serves one
+    set, which keeps the turn for several steps; the sets are served in turn (the longest waiting first), so every
+    set's streams start before any set is served twice, and each answers as it would alone."""
+    prompts = [prompt_of(16, seed=40 + i) for i in range(8)]
+    params = greedy(40)
+    r, chan, _ = start(base, num_ctx=512, num_parallel=8)
+    engine = r.engine
+    switches: list[tuple[tuple[str, float], ...]] = []
+    steps = [0]
+    apply, decode = engine._apply_adapters, engine._decode_plan
+
+    def counting_apply(key: tuple[tuple[str, float], ...]) -> None:
+        if key != engine._applied:
+            switches.append(key)
+        apply(key)
+
+    def counting_decode(plan: dict[int, list[int]], decode_only: bool) -> float:
+        steps[0] += 1
+        return decode(plan, decode_only)
+
+    try:
+        engine.call(lambda: r._load_adapters(loras))
+        engine.switch_cost = 0.01  # a switch as costly as on a GPU: turns of 90 ms (tiny steps take well under 1)
+        engine._apply_adapters, engine._decode_plan = counting_apply, counting_decode  # type: ignore[method-assign]
+        with engine._cv:
+            for i, prompt in enumerate(prompts):
+                engine.submit(i + 1, prompt, params, adapters=((loras[i % 4], 1.0),))
+        ends = wait_done(chan, list(range(1, 9)))
+        assert all(e["type"] == "done" for e in ends.values())
+        sets = [key[0][0] for key in switches if key]
+        assert sorted(sets[:4]) == sorted(loras)  # each set served once before any set a second time
+        assert len(switches) * 3 <= steps[0]  # several steps a turn, not a switch a step
+    finally:
+        engine._apply_adapters, engine._decode_plan = apply, decode  # type: ignore[method-assign]
+        r.close()
+    for i in (0, 1):  # and the answers are those of the adapter alone
+        assert text_of(chan, i + 1) == alone(base, prompts[i], loras[i], params)
