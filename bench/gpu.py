@@ -465,8 +465,7 @@ def lora(args: argparse.Namespace, res: Results, gguf_path: Path, ctx: int) -> N
 
     d = Daemon(args.work, "lora", {"CORRAL_NUM_PARALLEL": "16"})
     try:
-        made = d.cli("create", "big", "-f", str(args.work / "Modelfile"))
-        names = []
+        names = []  # "big" is in the store already (the main daemon created it)
         for i in range(4):
             path = write_lora_gguf(args.work / f"lora{i}.gguf", gguf_path, rank=8, seed=i)
             mf = args.work / f"Modelfile.lora{i}"
