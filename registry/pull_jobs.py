@@ -120,16 +120,27 @@ class PullJobs:
         self._jobs: dict[str, PullJob] = {}
 
     def start(self, model: str, insecure: bool, run: Callable[[], Iterator[dict[str, Any]]]) -> PullJob:
-        """Start ``run()`` (which validates the name at once and raises on a bad one) in a thread, or return the
-        job already running under this name."""
+        """Start ``run()`` or return the job already running under this name. Blocking: the name is checked and
+        the manifest fetched here, so a bad name, a registry that needs ``insecure`` or a missing model raise (and
+        the job is listed with that error); the blobs are then fetched by a thread of the job's own."""
         with self._lock:
             self._expire()
             current = self._jobs.get(model)
             if current is not None and not current.done:
                 return current
-            it = run()  # raises InvalidModelName, InsecureRegistry, ... before anything is recorded
             job = PullJob(model, insecure)
+            job.status = "pulling manifest"
             self._jobs[model] = job
+        try:
+            it = run()
+            first = next(it, None)
+        except BaseException as exc:
+            with job.lock:
+                job.error = str(exc) or type(exc).__name__
+                job.finished_at = time.time()
+            raise
+        if first is not None:
+            job.apply(first)
         threading.Thread(target=self._run, args=(job, it), name=f"pull-job {model}", daemon=True).start()
         return job
 

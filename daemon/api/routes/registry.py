@@ -125,7 +125,8 @@ async def start_pull_job(request: Request) -> dict[str, Any]:
         interval=0.25,
     )
     name = req.model_name
-    job = pull_jobs(request).start(name, req.insecure, lambda: puller.run(name, insecure=req.insecure))
+    table = pull_jobs(request)
+    job = await run_in_threadpool(table.start, name, req.insecure, lambda: puller.run(name, insecure=req.insecure))
     return job.to_json()
 
 
