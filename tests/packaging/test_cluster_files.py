@@ -27,6 +27,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from daemon.settings import ENV_DOCS, Settings
 from tests.conftest import REPO, free_port, start_daemon, stop_daemon
 
 PACKAGING = REPO / "packaging"
@@ -353,6 +354,36 @@ def test_containerfile_copies_what_exists_and_what_the_build_context_holds() -> 
     # nothing that is not the image's reaches the context
     for stray in (".venv", "tests", ".git", "bench", "packaging"):
         assert ignored(stray, patterns), stray
+
+
+# -- the settings the three give, read as the daemon reads them -------------------------------------------------------
+def test_every_corral_setting_given_is_known_and_parses(tmp_path: Path) -> None:
+    """A misspelt name (CORRAL_PRELOAD_PULLS) would be ignored silently and a bad value would stop every replica:
+    the image's ENV, each compose replica's environment and the ConfigMap with the StatefulSet's env are read by
+    Settings.from_env, as `corral serve` reads them inside the container."""
+    key_file = tmp_path / "api_key"
+    key_file.write_text("k" * 32 + "\n")
+    image = stage_env(final_stage())
+    sources = {"Containerfile": image}
+    for name, svc in compose()["services"].items():
+        if name.startswith("corral-"):
+            env = {k: str(v) for k, v in svc["environment"].items()}
+            env["CORRAL_API_KEY"] = "k" * 32  # compose fills it from the caller's environment
+            sources[f"compose {name}"] = image | env
+    pod = {k: v for cm in resource("ConfigMap") for k, v in cm["data"].items()}
+    for e in corral_container()["env"]:
+        pod[e["name"]] = e.get("value", "corral-0")  # the pod's name, from the downward API
+    pod["CORRAL_API_KEY_FILE"] = str(key_file)  # the Secret's file, here
+    sources["Kubernetes"] = image | pod
+    for where, env in sources.items():
+        unknown = {k for k in env if k.startswith("CORRAL_")} - ENV_DOCS.keys()
+        assert not unknown, f"{where}: no such setting {sorted(unknown)}"
+        env = env | {"CORRAL_MODELS": str(tmp_path / "models"), "CORRAL_KV_DISK_DIR": str(tmp_path / "kv")}
+        settings = Settings.from_env(env)
+        assert settings.host.port == 11434 and not settings.host.is_loopback
+        if where != "Containerfile":
+            assert settings.api_key and settings.preload_pull and settings.drain_timeout > 0
+            assert settings.instance in (where.removeprefix("compose "), "corral-0")
 
 
 # -- the paths, asked of a real daemon ------------------------------------------------------------------------------
