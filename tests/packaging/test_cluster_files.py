@@ -9,6 +9,7 @@ Building the image needs a container engine and a network: that test runs only w
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import json
 import os
 import re
@@ -162,7 +163,8 @@ def ignored(path: str, patterns: list[str]) -> bool:
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_every_kubernetes_manifest_validates_against_the_schemas(version: str) -> None:
     found = manifests()
-    assert {doc["kind"] for _, doc in found} >= {"StatefulSet", "Service", "PodDisruptionBudget", "ConfigMap"}
+    kinds = {"StatefulSet", "Deployment", "Service", "PodDisruptionBudget", "ConfigMap"}
+    assert {doc["kind"] for _, doc in found} >= kinds
     for path, doc in found:
         try:
             # strict: a misspelt field (periodSecond) is an error, not something the cluster silently drops
@@ -182,6 +184,7 @@ def test_the_schema_check_catches_a_misspelt_field() -> None:
 def test_kustomization_lists_every_manifest() -> None:
     kustomization = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
     files = {p.name for p in KUBERNETES.glob("*.yaml")} - {"kustomization.yaml"}
+    assert {"haproxy.yaml", "statefulset.yaml"} <= files
     assert sorted(kustomization["resources"]) == sorted(files)
     (image,) = kustomization["images"]
     assert image["name"] == corral_container()["image"]
@@ -234,14 +237,60 @@ def test_statefulset_probes_drain_and_security() -> None:
 def test_services_and_disruption_budget_select_the_pods() -> None:
     sts = statefulset()
     labels = sts["spec"]["template"]["metadata"]["labels"]
-    services = {s["metadata"]["name"]: s for s in resource("Service")}
+    services = {s["metadata"]["name"]: s for s in resource("Service") if s["metadata"]["name"].startswith("corral")}
+    assert set(services) == {"corral", "corral-headless", "corral-haproxy"}
     assert services[sts["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
-    for svc in services.values():
-        assert svc["spec"]["selector"].items() <= labels.items()
-        assert [(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [(11434, "http")]
-    (pdb,) = resource("PodDisruptionBudget")
-    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    assert pdb["spec"]["maxUnavailable"] == 1 < sts["spec"]["replicas"]
+    for name in ("corral", "corral-headless"):
+        assert services[name]["spec"]["selector"].items() <= labels.items()
+        assert [(p["port"], p["targetPort"]) for p in services[name]["spec"]["ports"]] == [(11434, "http")]
+    pdbs = {p["metadata"]["name"]: p for p in resource("PodDisruptionBudget")}
+    assert pdbs["corral"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pdbs["corral"]["spec"]["maxUnavailable"] == 1 < sts["spec"]["replicas"]
+    # the balancer's Service, PDB and pods go together, and select none of corral's pods
+    (balancer,) = resource("Deployment")
+    balancer_labels = balancer["spec"]["template"]["metadata"]["labels"]
+    for selector in (services["corral-haproxy"]["spec"]["selector"], pdbs["corral-haproxy"]["spec"]["selector"]):
+        selector = selector.get("matchLabels", selector)
+        assert selector.items() <= balancer_labels.items() and not selector.items() <= labels.items()
+    assert pdbs["corral-haproxy"]["spec"]["maxUnavailable"] < balancer["spec"]["replicas"]
+
+
+def load_haproxy_cfg_module() -> Any:
+    spec = importlib.util.spec_from_file_location("haproxy_cfg", PACKAGING / "haproxy" / "haproxy_cfg.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_balancer_configuration_is_the_generators_for_the_statefulsets_pods() -> None:
+    sts = statefulset()
+    name, headless = sts["metadata"]["name"], sts["spec"]["serviceName"]
+    pods = [f"{name}-{i}" for i in range(sts["spec"]["replicas"])]
+    servers = [(pod, f"{pod}.{headless}.default.svc.cluster.local:11434") for pod in pods]
+    cfg = (KUBERNETES / "haproxy.cfg").read_text()
+    args = " ".join(f"{n}={a}" for n, a in servers)
+    assert cfg == load_haproxy_cfg_module().render(servers), (
+        f"write it again: python3 packaging/haproxy/haproxy_cfg.py {args} > packaging/kubernetes/haproxy.cfg"
+    )
+    kustomization = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
+    (generator,) = kustomization["configMapGenerator"]
+    assert generator["files"] == ["haproxy.cfg"]
+    (balancer,) = resource("Deployment")
+    pod = balancer["spec"]["template"]["spec"]
+    (volume,) = pod["volumes"]
+    assert volume["configMap"]["name"] == generator["name"]
+    (container,) = pod["containers"]
+    mount = {"name": volume["name"], "mountPath": "/usr/local/etc/haproxy", "readOnly": True}
+    assert mount in container["volumeMounts"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert f"bind *:{ports['http']}" in cfg and f"bind *:{ports['stats']}" in cfg
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    haproxy = shutil.which("haproxy")
+    if haproxy is None:
+        pytest.skip("HAProxy is not installed: the configuration's syntax was not checked (.ci/run installs it)")
+    r = subprocess.run([haproxy, "-c", "-f", str(KUBERNETES / "haproxy.cfg")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 # -- compose ------------------------------------------------------------------------------------------------------
