@@ -47,12 +47,17 @@ class Page:
 
     # -- navigation ----------------------------------------------------------------------------------------------
     def open(self, daemon: Daemon, view: str = "models", *, ready: bool = True) -> None:
+        if self.driver.current_url.startswith(daemon.url):
+            self.driver.get("about:blank")  # a new load, even where only the #view differs
         self.driver.get(f"{daemon.url}/ui#{view}")
         if ready:
             self.wait_ready()
 
     def show(self, view: str) -> None:
         """Switch view by its nav link, as a user would, and wait for its first data load."""
+        if self.js("return location.hash") == f"#{view}":
+            self.wait_ready()
+            return
         self.js("document.body.dataset.ready = ''")
         self.css(f'a[data-view="{view}"]').click()
         self.wait_ready()

@@ -1,0 +1,242 @@
+"""The Chat and Running views in headless Chromium against a real daemon: SmolLM2's answer streams in and Stop ends
+the generation on the daemon (its slot frees); a thinking-template model's thinking is shown apart from the answer;
+an image reaches a vision model (SmolLM2 with the test projector); a model whose real greedy output holds a
+<script>, an <img onerror>, javascript: links and remote images runs nothing and loads nothing; the Running view
+lists what /api/ps lists. Screenshots: chat.png and running.png in build/ui-screenshots/."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import Daemon, start_daemon, stop_daemon
+from tests.models import smollm2_path
+from tests.ui.conftest import WAIT, CountingServer, Page, create
+from tests.ui.models import write_scripted_gguf
+from tests.vision import image_bytes, projector_path
+
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+
+SMOL = smollm2_path()
+if SMOL is None:
+    pytest.skip("SmolLM2 is not cached (run scripts/fetch_smollm2.py)", allow_module_level=True)
+
+# ChatML whose generation prompt opens a think block when thinking is on (the generic parser infers <think> tags
+# from the .Thinking branch): what the model writes up to </think> is thinking
+THINK_TEMPLATE = """{{- if .System }}<|im_start|>system
+{{ .System }}<|im_end|>
+{{ end }}{{- range .Messages }}<|im_start|>{{ .Role }}
+{{ if .Thinking }}<think>{{ .Thinking }}</think>{{ end }}{{ .Content }}<|im_end|>
+{{ end }}<|im_start|>assistant
+{{ if .Think }}<think>{{ end }}"""
+THOUGHT = ["Weighing", " the", " question", " carefully."]
+ANSWER = ["The", " answer", " is", " four."]
+
+
+def hostile_script(remote: CountingServer) -> list[str]:
+    return [
+        "Here",
+        " is",
+        " <script>window.__pwned='script'</script>",
+        " <img src=x onerror=\"window.__pwned='img'\">",
+        " [click](javascript:window.__pwned='link')",
+        " <a href=\"javascript:window.__pwned='a'\">tap</a>",
+        f" ![remote]({remote.url}/markdown.png)",
+        f' <img src="{remote.url}/html.png">',
+        f' <iframe src="{remote.url}/frame"></iframe>',
+        f" <svg><image href='{remote.url}/svg.png'/></svg>",
+        f" [fine]({remote.url}/link)",
+        " done",
+    ]
+
+
+@pytest.fixture(scope="module")
+def chat_daemon(tmp_path_factory: pytest.TempPathFactory, remote: CountingServer) -> Iterator[Daemon]:
+    root = tmp_path_factory.mktemp("ui-chat")
+    # prompts in the log: how the test sees that an image reached the model
+    d = start_daemon(root / "models", root / "daemon.log", {"CORRAL_LOG_PROMPTS": "true"})
+    try:
+        assert SMOL is not None
+        create(d, "smol", {"model.gguf": SMOL}, parameters={"temperature": 0, "num_predict": 32})
+        # a story that runs long enough for Stop to end it (num_predict bounds it if Stop did not)
+        create(d, "smol-long", {"model.gguf": SMOL}, parameters={"temperature": 0, "num_predict": 2000})
+        create(
+            d,
+            "vis",
+            {"model.gguf": SMOL, "mmproj.gguf": projector_path()},
+            parameters={"temperature": 0, "num_predict": 8},
+        )
+        thinker = write_scripted_gguf(root / "thinker.gguf", [*THOUGHT, "</think>", *ANSWER])
+        create(d, "thinker", {"thinker.gguf": thinker}, template=THINK_TEMPLATE)
+        hostile = write_scripted_gguf(root / "hostile.gguf", hostile_script(remote))
+        create(d, "hostile", {"hostile.gguf": hostile})
+        yield d
+    finally:
+        stop_daemon(d)
+
+
+def ps(d: Daemon) -> list[dict[str, Any]]:
+    r = httpx.get(d.url + "/api/ps", timeout=30)
+    r.raise_for_status()
+    return list(r.json()["models"])
+
+
+def busy_slots(d: Daemon, name: str) -> int:
+    return sum(bool(s.get("busy")) for m in ps(d) if name in (m["name"], m["model"]) for s in m.get("slots") or [])
+
+
+def new_chat(page: Page, d: Daemon, model: str) -> None:
+    if page.driver.current_url.startswith(d.url + "/ui"):
+        page.show("chat")
+    else:
+        page.open(d, "chat")
+    page.css("#new-chat").click()
+    page.select("#chat-model", model)
+
+
+def send(page: Page, text: str) -> Any:
+    """Send a message; the new assistant message's ``.answer`` element."""
+    before = len(page.all("#messages .msg.assistant"))
+    page.fill("#chat-input", text)
+    page.css("#chat-send").click()
+    page.wait(lambda: len(page.all("#messages .msg.assistant")) > before, what="the answer appears")
+    return page.all("#messages .msg.assistant .answer")[-1]
+
+
+def wait_done(page: Page, answer: Any, timeout: float = WAIT) -> None:
+    page.wait(lambda: answer.get_attribute("data-done") == "1", timeout, "the answer is done")
+
+
+def test_answer_streams(page: Page, chat_daemon: Daemon) -> None:
+    new_chat(page, chat_daemon, "smol:latest")
+    answer = send(page, "Tell me about the sea.")
+    seen: list[tuple[str | None, str | None]] = []
+
+    def streamed() -> bool:
+        state = page.js("return [arguments[0].dataset.updates, arguments[0].dataset.done]", answer)
+        seen.append(tuple(state))
+        return int(state[0] or 0) > 1 and state[1] != "1"
+
+    page.wait(streamed, what=lambda: f"more than one update before the end (seen {seen[-5:]})", poll=0.01)
+    wait_done(page, answer)
+    text = answer.text
+    assert text.strip(), "the answer is empty"
+    with chat_daemon.client() as c:  # the same greedy answer the API gives
+        r = c.post(
+            "/api/chat",
+            json={
+                "model": "smol",
+                "messages": [{"role": "user", "content": "Tell me about the sea."}],
+                "stream": False,
+            },
+        )
+    assert " ".join(r.json()["message"]["content"].split())[:40] == " ".join(text.split())[:40]
+    assert int(answer.get_attribute("data-updates")) > 1
+
+
+def test_stop_ends_the_generation_on_the_daemon(page: Page, chat_daemon: Daemon) -> None:
+    new_chat(page, chat_daemon, "smol-long:latest")
+    answer = send(page, "Write a very long story about a dragon who learns to sail, in many chapters.")
+    page.wait(lambda: int(answer.get_attribute("data-updates") or 0) >= 3, what="the story streams")
+    assert busy_slots(chat_daemon, "smol-long:latest") == 1, ps(chat_daemon)
+    assert answer.get_attribute("data-done") != "1"
+    page.css("#chat-stop").click()
+    wait_done(page, answer)
+    # the daemon ends the generation: the slot is free again (generous bound: a 2-core machine under load)
+    page.wait(lambda: busy_slots(chat_daemon, "smol-long:latest") == 0, what="the slot frees on the daemon")
+    words = len(answer.text.split())
+    time.sleep(1.0)
+    assert len(answer.text.split()) == words  # nothing more arrives
+    # the daemon saw the client go and cancelled the request; it never finished (no eval_count in its line)
+    log = chat_daemon.log.read_text()
+    assert "client disconnected; request cancelled path=/api/chat" in log, log[-3000:]
+    (line,) = [ln for ln in log.splitlines() if "path=/api/chat" in ln and "model=smol-long:latest" in ln]
+    assert "eval_count=" not in line, line
+
+
+def test_thinking_shown_apart(page: Page, chat_daemon: Daemon) -> None:
+    new_chat(page, chat_daemon, "thinker:latest")
+    answer = send(page, "What is two plus two?")
+    wait_done(page, answer)
+    msg = page.all("#messages .msg.assistant")[-1]
+    thinking = page.js("const t = arguments[0].querySelector('details.thinking'); return t && t.textContent", msg)
+    assert thinking and "".join(THOUGHT).strip() in thinking
+    assert answer.text.strip() == "".join(ANSWER).strip()
+    assert "</think>" not in answer.text and "Weighing" not in answer.text
+    page.js("arguments[0].querySelector('details.thinking').open = true", msg)  # collapsible: shown open
+    page.screenshot("chat.png")
+
+
+def test_image_reaches_the_vision_model(page: Page, chat_daemon: Daemon, tmp_path: Path) -> None:
+    picture = tmp_path / "picture.png"
+    picture.write_bytes(image_bytes(0))
+    new_chat(page, chat_daemon, "vis:latest")
+    page.css("#chat-image").send_keys(str(picture))
+    page.wait(lambda: page.all("#chat-images img"), what="the image is attached")
+    answer = send(page, "Describe this picture.")
+    wait_done(page, answer)
+    assert not page.all("#messages .msg.assistant .msg-error"), answer.text
+    # the daemon's log line for that request: its prompt carried the image's tag, and 64 image embeddings
+    lines = [ln for ln in chat_daemon.log.read_text().splitlines() if "model=vis:latest" in ln and "prompt=" in ln]
+    assert lines, chat_daemon.log.read_text()[-3000:]
+    assert "[img-0]" in lines[-1], lines[-1]
+    (count,) = re.findall(r"prompt_eval_count=(\d+)", lines[-1])
+    assert int(count) > 64, lines[-1]
+    # and the conversation shows the picture sent (a data: URL: the user's own image, nothing remote)
+    shown = [i.get_attribute("src") for i in page.all("#messages .msg.user img")]
+    assert shown and shown[-1].startswith("data:image/"), page.css("#messages .msg.user").get_attribute("outerHTML")
+
+
+def test_hostile_output_runs_and_loads_nothing(page: Page, chat_daemon: Daemon, remote: CountingServer) -> None:
+    page.console()  # forget what came before
+    new_chat(page, chat_daemon, "hostile:latest")
+    answer = send(page, "Say something.")
+    wait_done(page, answer)
+    text = answer.text
+    assert "Here is" in text and "done" in text  # the reply is there...
+    assert "window.__pwned" in page.js("return document.querySelector('#messages').textContent")  # ...as text
+    time.sleep(1.0)  # anything that was going to load has had time to try
+    page.driver.refresh()  # and the conversation drawn again from localStorage
+    page.wait_ready()
+    assert page.js("return window.__pwned === undefined"), page.js("return String(window.__pwned)")
+    scope = "#messages"
+    handlers = page.js(
+        "return [...document.querySelectorAll('#messages *')].flatMap(e => [...e.attributes]"
+        ".filter(a => a.name.toLowerCase().startsWith('on')).map(a => e.tagName + ' ' + a.name))"
+    )
+    assert handlers == []
+    assert (
+        page.all(f'{scope} a[href^="javascript:" i], {scope} [href^="javascript:" i], {scope} [src^="javascript:" i]')
+        == []
+    )
+    assert page.all(f"{scope} script, {scope} iframe, {scope} svg image, {scope} object, {scope} embed") == []
+    srcs = [i.get_attribute("src") for i in page.all(f"{scope} img")]
+    assert all(s.startswith(("data:", "blob:")) for s in srcs), srcs
+    links = [a.get_attribute("href") for a in page.all(f"{scope} a[href]")]
+    assert all(h.startswith(("http:", "https:", "mailto:")) for h in links), links
+    assert remote.hits == []
+    refused = [e for e in page.console() if "Content Security Policy" in e.get("message", "")]
+    assert refused == []  # the sanitiser let nothing through for the CSP to refuse
+    try:
+        alert = page.driver.switch_to.alert
+        pytest.fail(f"an alert is open: {alert.text}")
+    except Exception as e:  # noqa: BLE001 (selenium's NoAlertPresentException: no alert, as it should be)
+        assert type(e).__name__ == "NoAlertPresentException", e
+
+
+def test_running_view_lists_what_is_loaded(page: Page, chat_daemon: Daemon) -> None:
+    loaded = sorted(m["name"] for m in ps(chat_daemon))
+    assert loaded  # the chats above loaded models
+    page.open(chat_daemon, "running")
+    page.wait(lambda: len(page.all("#running-table tr[data-model]")) == len(loaded), what="the running rows")
+    shown = sorted(r.get_attribute("data-model") for r in page.all("#running-table tr[data-model]"))
+    assert shown == loaded
+    assert page.all("#running-table .ram-bar")
+    assert page.css("#hardware").text.strip()
+    page.screenshot("running.png")
