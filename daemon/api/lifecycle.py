@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,9 +36,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.concurrency import run_in_threadpool
 
-from daemon.api import compat
 from daemon.api.security import ASGIApp, Receive, Scope, Send
-from errors import CorralError, ModelNotFound
+from errors import ModelNotFound
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,7 @@ PULL_RETRY_FIRST = 1.0  # seconds before a failed preload pull is tried again; d
 PULL_RETRY_MAX = 60.0  # ... up to this
 
 
-class Draining(CorralError):
-    """This replica is shutting down (SIGTERM): a new request is refused so that a balancer sends it elsewhere."""
-
-    status = 503
-    retry_after = 1  # seconds; the HTTP answer carries it as Retry-After
+RETRY_AFTER = 1  # seconds: what a refused request is told to wait (a balancer retries elsewhere at once)
 
 
 @dataclass
@@ -183,19 +179,20 @@ class LifecycleGate:
 
 
 def refusal(path: str) -> JSONResponse:
-    """A draining replica's 503, in the shape of the API called, with Retry-After and Connection: close."""
-    exc = Draining(
-        "this corral replica is shutting down; retry the request (a load balancer sends it to another replica)"
-    )
-    if path.startswith("/v1/messages"):
-        response = compat.anthropic_error(exc)
-    elif path.startswith("/v1/"):
-        response = compat.openai_error(exc)
-    else:  # Ollama's shape (errors.error_response would log every refusal as a failure)
-        response = JSONResponse({"error": str(exc)}, status_code=Draining.status)
-    response.headers["Retry-After"] = str(exc.retry_after)
-    response.headers["Connection"] = "close"
-    return response
+    """A draining replica's 503, in the shape of the API called (built here: compat's error shapes log every 5xx as a
+    failure, and a refusal while draining is none), with Retry-After and Connection: close."""
+    message = "this corral replica is shutting down; retry the request (a load balancer sends it to another replica)"
+    body: dict[str, Any]
+    headers = {"Retry-After": str(RETRY_AFTER), "Connection": "close"}
+    if path.startswith("/v1/messages"):  # Anthropic's
+        request_id = f"req_{secrets.token_hex(12)}"
+        body = {"type": "error", "error": {"type": "overloaded_error", "message": message}, "request_id": request_id}
+        headers["request-id"] = request_id
+    elif path.startswith("/v1/"):  # OpenAI's
+        body = {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+    else:  # Ollama's
+        body = {"error": message}
+    return JSONResponse(body, status_code=503, headers=headers)
 
 
 class InstanceInfo(Collector):
