@@ -173,20 +173,24 @@ def page() -> Iterator[Page]:
 
 
 # -- models through the daemon's API ----------------------------------------------------------------------------
-def upload(d: Daemon, path: Path) -> str:
+def upload(d: Daemon, path: Path, headers: dict[str, str] | None = None) -> str:
     data = path.read_bytes()
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    with d.client() as c:
+    with d.client(headers=headers or {}) as c:
         r = c.post(f"/api/blobs/{digest}", content=data, timeout=300)
         assert r.status_code in (200, 201), r.text
     return digest
 
 
-def create(d: Daemon, name: str, files: dict[str, Path], **fields: Any) -> None:
+def create(d: Daemon, name: str, files: dict[str, Path], headers: dict[str, str] | None = None, **fields: Any) -> None:
     """``POST /api/create`` with the given GGUF files (uploaded first) and Modelfile fields."""
-    body: dict[str, Any] = {"model": name, "files": {n: upload(d, p) for n, p in files.items()}, "stream": False}
+    body: dict[str, Any] = {
+        "model": name,
+        "files": {n: upload(d, p, headers) for n, p in files.items()},
+        "stream": False,
+    }
     body.update(fields)
-    with d.client() as c:
+    with d.client(headers=headers or {}) as c:
         r = c.post("/api/create", json=body, timeout=300)
     assert r.status_code == 200, r.text
 
