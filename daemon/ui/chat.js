@@ -182,6 +182,13 @@ function renderPending() {
     el("button", { type: "button", class: "icon", "aria-label": "Remove " + p.name, text: "×", onclick: () => { pending.splice(i, 1); renderPending(); } }))));
 }
 
+// the data: URL of an image kept as base64 (as /api/chat takes it), its type from its first bytes
+function dataURL(b64) {
+  const types = { iVBORw0KGgo: "png", "/9j/": "jpeg", R0lGOD: "gif", UklGR: "webp", Qk: "bmp" };
+  const hit = Object.keys(types).find((p) => b64.startsWith(p));
+  return "data:image/" + (hit ? types[hit] : "png") + ";base64," + b64;
+}
+
 function imgFromData(url, alt) {
   // only data: URLs of the user's own images: nothing from a model's output is ever loaded
   if (!/^data:image\/[\w.+-]+;base64,/.test(url)) return el("span", { text: alt || "image" });
@@ -199,7 +206,7 @@ function messageNode(m, index) {
   const node = el("article", { class: "msg " + m.role, dataset: { index: String(index) } });
   if (m.role === "user") {
     node.append(el("div", { class: "who", text: "You" }));
-    if (m.images && m.images.length) node.append(el("div", { class: "thumbs" }, m.images.map((b64) => imgFromData("data:image/*;base64," + b64, "attached image"))));
+    if (m.images && m.images.length) node.append(el("div", { class: "thumbs" }, m.images.map((b64) => imgFromData(dataURL(b64), "attached image"))));
     node.append(el("div", { class: "content" }, renderMarkdown(m.content)));
     node.append(el("div", { class: "msg-actions" }, el("button", { type: "button", class: "edit", text: "Edit" })));
   } else {
@@ -260,7 +267,7 @@ function onMessageClick(e) {
     save();
     renderMessages();
     $("#chat-input").value = m.content;
-    pending = (m.images || []).map((b64, i) => ({ name: "image " + (i + 1), data: b64, url: "data:image/*;base64," + b64 }));
+    pending = (m.images || []).map((b64, i) => ({ name: "image " + (i + 1), data: b64, url: dataURL(b64) }));
     renderPending();
     $("#chat-input").focus();
   }

@@ -37,6 +37,12 @@ async function start() {
   setReady(false);
   for (const v of Object.values(VIEWS)) v.init();
   window.addEventListener("hashchange", show);
+  for (const a of $$("a[data-view]")) {
+    // the current view's link reloads its data (no hashchange fires for the same hash)
+    a.addEventListener("click", (e) => {
+      if (location.hash === "#" + a.dataset.view) { e.preventDefault(); show(); }
+    });
+  }
   apiJSON("/api/version").then((v) => {
     $("#daemon-version").textContent = "corral " + (v.corral_version || "") + " (Ollama API " + v.version + ")";
   }).catch(() => {});
