@@ -134,6 +134,15 @@ class Page:
         path.write_bytes(base64.b64decode(shot["data"]))
         return path
 
+    def alert_text(self) -> str | None:
+        """The text of an open alert/confirm/prompt dialog (None when none is open)."""
+        from selenium.common.exceptions import NoAlertPresentException
+
+        try:
+            return str(self.driver.switch_to.alert.text)
+        except NoAlertPresentException:
+            return None
+
     def console(self) -> list[dict[str, Any]]:
         """The browser console's entries since the last call (Chromium's log)."""
         return list(self.driver.get_log("browser"))
@@ -199,6 +208,37 @@ def tags(d: Daemon, **headers: str) -> list[str]:
     r = httpx.get(d.url + "/api/tags", headers=headers, timeout=30)
     r.raise_for_status()
     return [m["name"] for m in r.json()["models"]]
+
+
+# -- untrusted content stayed inert ------------------------------------------------------------------------------
+def assert_inert(page: Page, remote: CountingServer, scope: str) -> None:
+    """Nothing under ``scope`` can run or load: no script set the marker, no element has an on* handler, a
+    javascript: URL, or is a script/frame/embedded document/style/SVG image, no <img> points anywhere but data: or
+    blob:, links are http(s)/mailto only, and the "remote" server got no request."""
+    assert page.js("return window.__pwned === undefined"), page.js("return String(window.__pwned)")
+    handlers = page.js(
+        "return [...document.querySelectorAll(arguments[0] + ' *')].flatMap(e => [...e.attributes]"
+        ".filter(a => a.name.toLowerCase().startsWith('on')).map(a => e.tagName + ' ' + a.name))",
+        scope,
+    )
+    assert handlers == []
+    js_urls = page.all(
+        ", ".join(f'{scope} [{attr}^="javascript:" i]' for attr in ("href", "src", "action", "formaction"))
+    )
+    assert [e.get_attribute("outerHTML")[:200] for e in js_urls] == []
+    kinds = ("script", "iframe", "frame", "object", "embed", "style", "link", "svg image", "base", "meta", "form")
+    found = page.js(
+        "return [...document.querySelectorAll(arguments[0])].map(e => e.outerHTML.slice(0, 200))",
+        ", ".join(f"{scope} {k}" for k in kinds),
+    )
+    assert found == []
+    srcs = [
+        i.get_attribute("src") or "" for i in page.all(f"{scope} img, {scope} video, {scope} audio, {scope} source")
+    ]
+    assert all(s.startswith(("data:", "blob:")) for s in srcs), srcs
+    links = [a.get_attribute("href") for a in page.all(f"{scope} a[href]")]
+    assert all(h.startswith(("http:", "https:", "mailto:")) for h in links), links
+    assert remote.hits == []
 
 
 # -- a local "remote" server ------------------------------------------------------------------------------------
