@@ -44,6 +44,7 @@ function select(id) {
   if (!current) return;
   localStorage.setItem(CURRENT, id);
   $("#chat-system").value = current.system || "";
+  $("#chat-tools").value = current.tools || "";
   if (current.model && models.some((m) => m.name === current.model)) $("#chat-model").value = current.model;
   modelChanged();
   renderConversations();
@@ -59,6 +60,7 @@ export function init() {
   $("#chat-stop").addEventListener("click", stop);
   $("#chat-model").addEventListener("change", () => { if (current) { current.model = $("#chat-model").value; save(); } modelChanged(); });
   $("#chat-system").addEventListener("change", () => { if (current) { current.system = $("#chat-system").value; save(); } });
+  $("#chat-tools").addEventListener("change", () => { if (current) { current.tools = $("#chat-tools").value; save(); } });
   const input = $("#chat-input");
   input.addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); send(); }
@@ -82,6 +84,11 @@ export async function enter() {
   const sel = $("#chat-model");
   const keep = sel.value;
   sel.replaceChildren(...models.map((m) => el("option", { value: m.name, text: m.name })));
+  if (controller && current) { // a stream is running: leave its conversation on screen as it is
+    sel.value = current.model;
+    modelChanged();
+    return;
+  }
   const wanted = sessionStorage.getItem("corral.chat-model");
   sessionStorage.removeItem("corral.chat-model");
   if (!convs.length) newConversation();
@@ -257,10 +264,12 @@ function onMessageClick(e) {
   if (!b || controller || !current) return;
   const idx = parseInt(b.closest(".msg").dataset.index, 10);
   if (b.classList.contains("regenerate")) {
+    let tools;
+    try { tools = readTools(); } catch (err) { notice(err.message); return; }
     current.messages = current.messages.slice(0, idx); // drop this answer (and what followed), ask again
     save();
     renderMessages();
-    run();
+    run(tools);
   } else {
     const m = current.messages[idx];
     current.messages = current.messages.slice(0, idx);
@@ -295,6 +304,9 @@ function thinkValue() {
 
 function send() {
   if (controller) return;
+  let tools;
+  try { tools = readTools(); } catch (err) { notice(err.message); return; }
+  notice("");
   const text = $("#chat-input").value;
   if (!text.trim() && !pending.length) return;
   if (!$("#chat-model").value) { notice("pick a model first (pull or create one on the Models view)"); return; }
@@ -309,14 +321,30 @@ function send() {
   save();
   renderConversations();
   renderMessages();
-  run();
+  run(tools);
 }
 
 function stop() {
   if (controller) controller.abort();
 }
 
-async function run() {
+// the Tools box: undefined when empty; a clear error when it is not a JSON array
+function readTools() {
+  const text = $("#chat-tools").value.trim();
+  if (!text) return undefined;
+  let tools;
+  try {
+    tools = JSON.parse(text);
+  } catch (err) {
+    throw new Error("Tools: not JSON (" + err.message + ")" + TOOLS_HINT);
+  }
+  if (!Array.isArray(tools)) throw new Error("Tools: not a JSON array" + TOOLS_HINT);
+  return tools;
+}
+
+const TOOLS_HINT = '. Give an array such as [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], or leave the box empty.';
+
+async function run(tools) {
   const model = $("#chat-model").value;
   current.model = model;
   current.system = $("#chat-system").value;
@@ -335,6 +363,7 @@ async function run() {
   if (Object.keys(opts).length) body.options = opts;
   const think = thinkValue();
   if (think !== undefined) body.think = think;
+  if (tools) body.tools = tools;
 
   const m = { role: "assistant", model, content: "", thinking: "" };
   const conv = current;

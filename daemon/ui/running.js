@@ -132,7 +132,7 @@ function renderHardware() {
   fact("RAM", `${fmtBytes(hw.available_ram)} available of ${fmtBytes(hw.total_ram)}`);
   fact("RAM budget", b.ram !== undefined ? `${fmtBytes(b.ram)} (${b.ram_source || ""})` : undefined);
   fact("VRAM budget", b.vram !== undefined ? `${fmtBytes(b.vram)} (${b.vram_source || ""})` : undefined);
-  fact("Max loaded models", b.max_loaded_models);
+  fact("Max loaded models", b.max_loaded_models ? b.max_loaded_models : "as many as fit the budgets");
   fact("GPU offload", hw.gpu_offload ? "yes" : "no" + (hw.gpu_reason ? ": " + hw.gpu_reason : ""));
   fact("Unified memory", hw.unified_memory ? "yes" : undefined);
   fact("llama.cpp backends", (hw.backends || []).join(", "));
