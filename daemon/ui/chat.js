@@ -54,7 +54,12 @@ function select(id) {
 // ---- view ----
 export function init() {
   load();
-  $("#new-chat").addEventListener("click", () => { if (!controller) newConversation(); $("#chat-input").focus(); });
+  $("#new-chat").addEventListener("click", () => {
+    if (controller) return;
+    if (current && !current.messages.length) select(current.id); // this one is still empty: use it
+    else newConversation();
+    $("#chat-input").focus();
+  });
   $("#export-chat").addEventListener("click", exportChat);
   $("#chat-form").addEventListener("submit", (e) => { e.preventDefault(); send(); });
   $("#chat-stop").addEventListener("click", stop);

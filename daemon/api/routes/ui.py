@@ -44,9 +44,8 @@ HEADERS = {
     "Cross-Origin-Resource-Policy": "same-origin",
 }
 
-_cache: dict[str, tuple[bytes, bytes, str]] = {}
+_cache: dict[str, tuple[tuple[int, int], bytes, bytes, str]] = {}
 _cache_lock = threading.Lock()
-
 
 #: The page's files: daemon/ui/ (shipped in the wheel with the daemon package; not a Python package).
 UI_DIR = Path(__file__).resolve().parents[2] / "ui"
@@ -58,18 +57,22 @@ def asset_names() -> list[str]:
 
 
 def _asset(name: str) -> tuple[bytes, bytes, str]:
-    """``name``'s bytes, gzipped bytes and ETag, read once from the package."""
+    """``name``'s bytes, gzipped bytes and ETag; read again only when the file changed (size or mtime)."""
+    if name not in asset_names():  # only the page's own files: no path ever reaches the filesystem
+        raise NotFound(f"no such file of the web page: {name!r}; the page is at /ui")
+    path = UI_DIR / name
+    st = path.stat()
+    stamp = (st.st_mtime_ns, st.st_size)
     with _cache_lock:
         hit = _cache.get(name)
-        if hit is not None:
-            return hit
-    if name not in asset_names():  # only the package's own files: no path ever reaches the filesystem
-        raise NotFound(f"no such file of the web page: {name!r}; the page is at /ui")
-    raw = (UI_DIR / name).read_bytes()
-    entry = (raw, gzip.compress(raw, 9, mtime=0), '"' + hashlib.sha256(raw).hexdigest()[:32] + '"')
+    if hit is not None and hit[0] == stamp:
+        return hit[1], hit[2], hit[3]
+    raw = path.read_bytes()
+    packed = gzip.compress(raw, 9, mtime=0)
+    etag = '"' + hashlib.sha256(raw).hexdigest()[:32] + '"'
     with _cache_lock:
-        _cache[name] = entry
-    return entry
+        _cache[name] = (stamp, raw, packed, etag)
+    return raw, packed, etag
 
 
 def _serve(request: Request, name: str) -> Response:
