@@ -2,7 +2,7 @@
 the generation on the daemon (its slot frees); a thinking-template model's thinking is shown apart from the answer;
 an image reaches a vision model (SmolLM2 with the test projector); a model whose real greedy output holds a
 <script>, an <img onerror>, javascript: links and remote images runs nothing and loads nothing; the Running view
-lists what /api/ps lists. Screenshots: chat.png and running.png in build/ui-screenshots/."""
+lists what /api/ps lists and unloads one. Screenshots: chat.png and running.png in build/ui-screenshots/."""
 
 from __future__ import annotations
 
@@ -222,3 +222,8 @@ def test_running_view_lists_what_is_loaded(page: Page, chat_daemon: Daemon) -> N
     assert page.all("#running-table .ram-bar")
     assert page.css("#hardware").text.strip()
     page.screenshot("running.png")
+    # Unload now: the model leaves /api/ps and the table
+    gone = loaded[0]
+    page.css(f'#running-table button.unload[data-model="{gone}"]').click()
+    page.wait(lambda: gone not in [m["name"] for m in ps(chat_daemon)], what=f"{gone} is unloaded")
+    page.wait(lambda: not page.all(f'#running-table tr[data-model="{gone}"]'), what=f"{gone}'s row goes")
