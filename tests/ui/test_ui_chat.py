@@ -1,11 +1,13 @@
 """The Chat and Running views in headless Chromium against a real daemon: SmolLM2's answer streams in and Stop ends
-the generation on the daemon (its slot frees); a thinking-template model's thinking is shown apart from the answer;
-an image reaches a vision model (SmolLM2 with the test projector); a model whose real greedy output holds a
-<script>, an <img onerror>, javascript: links and remote images runs nothing and loads nothing; the Running view
-lists what /api/ps lists and unloads one. Screenshots: chat.png and running.png in build/ui-screenshots/."""
+the generation on the daemon (its slot frees); a thinking-template model's thinking is shown apart from the
+answer; a tool call is shown as one; an image reaches a vision model (SmolLM2 with the test projector); a model
+whose real greedy output holds a <script>, an <img onerror>, javascript: links and remote images runs nothing and
+loads nothing; the Running view lists what /api/ps lists and unloads one. Screenshots: chat.png and running.png in
+build/ui-screenshots/."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.compat.conftest import HERMES_TEMPLATE, THINK_TEMPLATE
 from tests.conftest import Daemon, start_daemon, stop_daemon
 from tests.models import smollm2_path
 from tests.ui.conftest import WAIT, CountingServer, Page, assert_inert, create
@@ -27,16 +30,17 @@ SMOL = smollm2_path()
 if SMOL is None:
     pytest.skip("SmolLM2 is not cached (run scripts/fetch_smollm2.py)", allow_module_level=True)
 
-# ChatML whose generation prompt opens a think block when thinking is on (the generic parser infers <think> tags
-# from the .Thinking branch): what the model writes up to </think> is thinking
-THINK_TEMPLATE = """{{- if .System }}<|im_start|>system
-{{ .System }}<|im_end|>
-{{ end }}{{- range .Messages }}<|im_start|>{{ .Role }}
-{{ if .Thinking }}<think>{{ .Thinking }}</think>{{ end }}{{ .Content }}<|im_end|>
-{{ end }}<|im_start|>assistant
-{{ if .Think }}<think>{{ end }}"""
 THOUGHT = ["Weighing", " the", " question", " carefully."]
 ANSWER = ["The", " answer", " is", " four."]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALL = ["<tool_call>", '{"name": "get_weather", ', '"arguments": {"city": "Paris"}}', "</tool_call>"]
 
 
 def hostile_script(remote: CountingServer) -> list[str]:
@@ -74,6 +78,8 @@ def chat_daemon(tmp_path_factory: pytest.TempPathFactory, remote: CountingServer
         )
         thinker = write_scripted_gguf(root / "thinker.gguf", [*THOUGHT, "</think>", *ANSWER])
         create(d, "thinker", {"thinker.gguf": thinker}, template=THINK_TEMPLATE)
+        caller = write_scripted_gguf(root / "caller.gguf", CALL)
+        create(d, "caller", {"caller.gguf": caller}, template=HERMES_TEMPLATE)
         hostile = write_scripted_gguf(root / "hostile.gguf", hostile_script(remote))
         create(d, "hostile", {"hostile.gguf": hostile})
         yield d
@@ -115,6 +121,7 @@ def wait_done(page: Page, answer: Any, timeout: float = WAIT) -> None:
 
 def test_answer_streams(page: Page, chat_daemon: Daemon) -> None:
     new_chat(page, chat_daemon, "smol:latest")
+    assert not page.css("#opt-think").is_enabled()  # SmolLM2's own template does not think
     answer = send(page, "Tell me about the sea.")
     seen: list[tuple[str | None, str | None]] = []
 
@@ -162,6 +169,7 @@ def test_stop_ends_the_generation_on_the_daemon(page: Page, chat_daemon: Daemon)
 
 def test_thinking_shown_apart(page: Page, chat_daemon: Daemon) -> None:
     new_chat(page, chat_daemon, "thinker:latest")
+    assert page.css("#opt-think").is_enabled()  # think levels offered for a model that thinks
     answer = send(page, "What is two plus two?")
     wait_done(page, answer)
     msg = page.all("#messages .msg.assistant")[-1]
@@ -171,6 +179,18 @@ def test_thinking_shown_apart(page: Page, chat_daemon: Daemon) -> None:
     assert "</think>" not in answer.text and "Weighing" not in answer.text
     page.js("arguments[0].querySelector('details.thinking').open = true", msg)  # collapsible: shown open
     page.screenshot("chat.png")
+
+
+def test_tool_call_shown_as_such(page: Page, chat_daemon: Daemon) -> None:
+    new_chat(page, chat_daemon, "caller:latest")
+    page.fill("#chat-tools", json.dumps([WEATHER]))
+    answer = send(page, "What is the weather in Paris?")
+    wait_done(page, answer)
+    msg = page.all("#messages .msg.assistant")[-1]
+    calls = msg.find_elements("css selector", ".tool-call")
+    assert len(calls) == 1 and "get_weather" in calls[0].text and "Paris" in calls[0].text, msg.text
+    assert "<tool_call>" not in msg.text and not answer.text.strip()
+    page.fill("#chat-tools", "")
 
 
 def test_image_reaches_the_vision_model(page: Page, chat_daemon: Daemon, tmp_path: Path) -> None:
