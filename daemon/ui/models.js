@@ -21,7 +21,7 @@ export function init() {
 
 export async function enter() {
   visible = true;
-  await Promise.all([loadModels(), pollPulls()]);
+  await Promise.all([loadModels(), pollPulls(true)]);
   schedulePoll();
 }
 
@@ -30,8 +30,13 @@ export function leave() {
 }
 
 // ---- the list ----
+let shown = null; // the /api/tags answer on screen: the table is rebuilt only when it changed
+
 export async function loadModels() {
   const data = await apiJSON("/api/tags");
+  const key = JSON.stringify(data.models || []);
+  if (key === shown && document.contains($("#models-table tbody"))) return;
+  shown = key;
   const body = $("#models-table tbody");
   const rows = (data.models || []).map(row);
   body.replaceChildren(...rows);
@@ -134,12 +139,13 @@ function anyRunning() {
 
 let succeeded = new Set();
 
-async function pollPulls() {
+async function pollPulls(first) {
   const data = await apiJSON("/api/pulls");
   const box = $("#pulls");
   const seen = new Set();
   for (const job of data.pulls || []) {
     seen.add(job.model);
+    if (first && job.done) succeeded.add(job.model + job.started_at); // ended before this load: listed already
     renderPull(job);
   }
   for (const p of $$(".pull", box)) if (!seen.has(p.dataset.model) && p.dataset.done !== "1") p.dataset.done = "1";
