@@ -77,6 +77,10 @@ def test_list_matches_api_tags_and_details_open(page: Page, models_daemon: Daemo
     body = page.js("return document.querySelector('#details-body').textContent")
     assert "be brief" in body and "temperature" in body  # the Modelfile's SYSTEM and PARAMETER are shown
     page.screenshot("models.png")
+    # everything the page loaded came from the daemon (no CDN, nothing leaves the machine), without a script error
+    urls = page.js("return performance.getEntriesByType('resource').map(e => e.name)")
+    assert urls and all(u.startswith(models_daemon.url + "/") for u in urls), urls
+    assert [e for e in page.console() if e.get("level") == "SEVERE"] == []
 
 
 def test_hostile_metadata_is_text(page: Page, models_daemon: Daemon, remote: CountingServer) -> None:
