@@ -82,13 +82,18 @@ async function loadPs() {
     el("div", { class: "row" }, el("span", { class: "label", text: "VRAM in use" }), bar("vram-total", total.vram, budgets.vram || 0, "VRAM in use")));
 }
 
-// Sum the samples of one metric family in Prometheus' text format.
-export function metricSum(text, name) {
+// the endpoints that run a model (the page's own polling is not counted as requests)
+const MODEL_ENDPOINTS = ["/api/generate", "/api/chat", "/api/embed", "/api/embeddings", "/v1/chat/completions",
+  "/v1/completions", "/v1/embeddings", "/v1/messages", "/v1/responses", "/api/rerank", "/v1/rerank"];
+
+// Sum the samples of one metric family in Prometheus' text format (those whose labels pass `keep`, if given).
+export function metricSum(text, name, keep) {
   let sum = 0;
   for (const line of text.split("\n")) {
     if (!line.startsWith(name)) continue;
     const rest = line.slice(name.length);
     if (rest[0] !== " " && rest[0] !== "{") continue;
+    if (keep && !keep(rest[0] === "{" ? rest.slice(1, rest.indexOf("}")) : "")) continue;
     const v = parseFloat(line.slice(line.lastIndexOf(" ") + 1));
     if (!isNaN(v)) sum += v;
   }
@@ -99,7 +104,7 @@ async function loadMetrics() {
   const res = await api("/metrics");
   const text = await res.text();
   const now = performance.now() / 1000;
-  const cur = { t: now, tokens: metricSum(text, "corral_generated_tokens_total"), requests: metricSum(text, "corral_requests_total"), prompt: metricSum(text, "corral_prompt_tokens_total") };
+  const cur = { t: now, tokens: metricSum(text, "corral_generated_tokens_total"), requests: metricSum(text, "corral_requests_total", (labels) => MODEL_ENDPOINTS.some((e) => labels.includes(`endpoint="${e}"`))), prompt: metricSum(text, "corral_prompt_tokens_total") };
   let tps = 0, rps = 0;
   if (last && cur.t > last.t) {
     tps = Math.max(0, (cur.tokens - last.tokens) / (cur.t - last.t));
@@ -115,10 +120,10 @@ async function loadMetrics() {
   $("#live").replaceChildren(
     el("dl", { class: "facts" },
       el("dt", { text: "Tokens per second (generated)" }), el("dd", { id: "live-tps", text: tps.toFixed(1) }),
-      el("dt", { text: "Requests per second" }), el("dd", { id: "live-rps", text: rps.toFixed(2) }),
+      el("dt", { text: "Model requests per second" }), el("dd", { id: "live-rps", text: rps.toFixed(2) }),
       el("dt", { text: "Tokens generated" }), el("dd", { text: String(cur.tokens) }),
       el("dt", { text: "Prompt tokens" }), el("dd", { text: String(cur.prompt) }),
-      el("dt", { text: "Requests" }), el("dd", { text: String(cur.requests) })),
+      el("dt", { text: "Model requests (generate, chat, embed, OpenAI, Anthropic)" }), el("dd", { text: String(cur.requests) })),
     spark);
 }
 
