@@ -138,12 +138,25 @@ function anyRunning() {
 }
 
 let succeeded = new Set();
+// pulls dismissed from the list (by name and start time), for this tab's session
+const DISMISSED = "corral.dismissed-pulls";
+function dismissed() {
+  try { return new Set(JSON.parse(sessionStorage.getItem(DISMISSED) || "[]")); } catch (_) { return new Set(); }
+}
+function dismiss(node) {
+  const all = dismissed();
+  all.add(node.dataset.job || node.dataset.model);
+  sessionStorage.setItem(DISMISSED, JSON.stringify(Array.from(all).slice(-200)));
+  node.remove();
+}
 
 async function pollPulls(first) {
   const data = await apiJSON("/api/pulls");
   const box = $("#pulls");
   const seen = new Set();
+  const gone = dismissed();
   for (const job of data.pulls || []) {
+    if (job.done && gone.has(job.model + "@" + job.started_at)) continue;
     seen.add(job.model);
     if (first && job.done) succeeded.add(job.model + job.started_at); // ended before this load: listed already
     renderPull(job);
@@ -156,7 +169,7 @@ function pullNode(name) {
   const node = el("div", { class: "pull", dataset: { model: name } },
     el("div", { class: "row spread" }, el("strong", { text: name }),
       el("button", { type: "button", class: "pull-cancel", text: "Cancel", onclick: () => cancelPull(name) }),
-      el("button", { type: "button", class: "pull-dismiss", hidden: true, text: "Dismiss", onclick: () => node.remove() })),
+      el("button", { type: "button", class: "pull-dismiss", hidden: true, text: "Dismiss", onclick: () => dismiss(node) })),
     el("progress", { max: 1, value: 0 }),
     el("div", { class: "pull-status", text: "starting" }),
     el("ul", { class: "pull-layers" }));
@@ -186,6 +199,7 @@ function renderPull(job) {
     l.bytes_per_second > 0 && l.completed < l.total ? ` · ${fmtBytes(l.bytes_per_second)}/s · ETA ${fmtDuration(l.eta_seconds)}` : ""));
   $(".pull-layers", node).replaceChildren(...layers);
   node.dataset.done = job.done ? "1" : "0";
+  if (job.started_at) node.dataset.job = job.model + "@" + job.started_at;
   $(".pull-cancel", node).hidden = Boolean(job.done);
   $(".pull-dismiss", node).hidden = !job.done;
   if (job.done && job.status === "success" && !succeeded.has(job.model + job.started_at)) {
