@@ -181,6 +181,41 @@ def test_thinking_shown_apart(page: Page, chat_daemon: Daemon) -> None:
     page.screenshot("chat.png")
 
 
+def test_conversations_kept_renamed_regenerated_and_edited(page: Page, chat_daemon: Daemon) -> None:
+    from selenium.webdriver.common.keys import Keys
+
+    new_chat(page, chat_daemon, "thinker:latest")
+    page.css("#chat-input").send_keys("First question", Keys.ENTER)  # Enter sends, from the keyboard
+    page.wait(lambda: page.all("#messages .msg.assistant .answer[data-done='1']"), what="the first answer")
+    titles = [c.text for c in page.all("#conversations .conversation")]
+    assert any("First question" in t for t in titles), titles
+    # rename it
+    (item,) = [c for c in page.all("#conversations .conversation") if "First question" in c.text]
+    item.find_element("css selector", ".rename").click()
+    page.wait(lambda: page.js("return document.querySelector('#prompt-dialog').open"), what="the rename dialog opens")
+    page.css("#prompt-input").clear()
+    page.css("#prompt-input").send_keys("Renamed chat")
+    page.css("#prompt-ok").click()
+    page.wait(lambda: any("Renamed chat" in c.text for c in page.all("#conversations .conversation")), what="renamed")
+    # regenerate: the answer is asked for again (one assistant message, drawn anew)
+    page.css("#messages .msg.assistant .regenerate").click()
+    page.wait(lambda: page.all("#messages .msg.assistant .answer[data-done='1']"), what="the regenerated answer")
+    assert len(page.all("#messages .msg.assistant")) == 1
+    # edit and resend: the question comes back into the input, the turn after it goes
+    page.css("#messages .msg.user .edit").click()
+    page.wait(lambda: page.css("#chat-input").get_attribute("value") == "First question", what="the text to edit")
+    assert page.all("#messages .msg") == []
+    page.fill("#chat-input", "Second question")
+    page.css("#chat-send").click()
+    page.wait(lambda: page.all("#messages .msg.assistant .answer[data-done='1']"), what="the answer to the edit")
+    assert [m.text for m in page.all("#messages .msg.user .content")] == ["Second question"]
+    # kept in the browser: a reload shows the renamed conversation and its messages
+    page.open(chat_daemon, "chat")
+    assert any("Renamed chat" in c.text for c in page.all("#conversations .conversation"))
+    page.wait(lambda: page.all("#messages .msg.user"), what="the conversation's messages after a reload")
+    assert [m.text for m in page.all("#messages .msg.user .content")] == ["Second question"]
+
+
 def test_tool_call_shown_as_such(page: Page, chat_daemon: Daemon) -> None:
     new_chat(page, chat_daemon, "caller:latest")
     page.fill("#chat-tools", json.dumps([WEATHER]))
