@@ -1,12 +1,13 @@
 """The Chat and Running views in headless Chromium against a real daemon: SmolLM2's answer streams in and Stop ends
 the generation on the daemon (its slot frees); a thinking-template model's thinking is shown apart from the
-answer; a tool call is shown as one; an image reaches a vision model (SmolLM2 with the test projector); a model
-whose real greedy output holds a <script>, an <img onerror>, javascript: links and remote images runs nothing and
-loads nothing; the Running view lists what /api/ps lists and unloads one. Screenshots: chat.png and running.png in
-build/ui-screenshots/."""
+answer; a tool call is shown as one; images (chosen, dropped, pasted) reach a vision model (SmolLM2 with the test
+projector); a model whose real greedy output holds a <script>, an <img onerror>, javascript: links and remote
+images runs nothing and loads nothing; conversations are kept (rename, regenerate, edit and resend); the Running
+view lists what /api/ps lists and unloads one. Screenshots: chat.png and running.png in build/ui-screenshots/."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import time
@@ -94,7 +95,9 @@ def ps(d: Daemon) -> list[dict[str, Any]]:
 
 
 def busy_slots(d: Daemon, name: str) -> int:
-    return sum(bool(s.get("busy")) for m in ps(d) if name in (m["name"], m["model"]) for s in m.get("slots") or [])
+    """Busy slots of the runner serving ``name`` (models on one base share a runner: ps lists its ``names``)."""
+    serving = [m for m in ps(d) if name in (m["name"], m["model"], *m.get("names", []))]
+    return sum(bool(s.get("busy")) for m in serving for s in m.get("slots") or [])
 
 
 def new_chat(page: Page, d: Daemon, model: str) -> None:
@@ -234,15 +237,31 @@ def test_image_reaches_the_vision_model(page: Page, chat_daemon: Daemon, tmp_pat
     new_chat(page, chat_daemon, "vis:latest")
     page.css("#chat-image").send_keys(str(picture))
     page.wait(lambda: page.all("#chat-images img"), what="the image is attached")
+    # a second one dropped onto the message box, and a third pasted into it (then removed again)
+    for kind in ("drop", "paste"):
+        page.js(
+            "const bytes = Uint8Array.from(atob(arguments[0]), c => c.charCodeAt(0));"
+            "const dt = new DataTransfer();"
+            "dt.items.add(new File([bytes], arguments[1] + '.png', {type: 'image/png'}));"
+            "const input = document.querySelector('#chat-input');"
+            "input.dispatchEvent(arguments[1] === 'drop'"
+            "  ? new DragEvent('drop', {dataTransfer: dt, bubbles: true, cancelable: true})"
+            "  : new ClipboardEvent('paste', {clipboardData: dt, bubbles: true, cancelable: true}));",
+            base64.b64encode(image_bytes(1 if kind == "drop" else 2)).decode(),
+            kind,
+        )
+    page.wait(lambda: len(page.all("#chat-images img")) == 3, what="three images are attached")
+    page.all("#chat-images button")[-1].click()
+    page.wait(lambda: len(page.all("#chat-images img")) == 2, what="one image is removed")
     answer = send(page, "Describe this picture.")
     wait_done(page, answer)
     assert not page.all("#messages .msg.assistant .msg-error"), answer.text
-    # the daemon's log line for that request: its prompt carried the image's tag, and 64 image embeddings
+    # the daemon's log line for that request: its prompt carried the two images' tags, and 64 embeddings for each
     lines = [ln for ln in chat_daemon.log.read_text().splitlines() if "model=vis:latest" in ln and "prompt=" in ln]
     assert lines, chat_daemon.log.read_text()[-3000:]
-    assert "[img-0]" in lines[-1], lines[-1]
+    assert "[img-0]" in lines[-1] and "[img-1]" in lines[-1] and "[img-2]" not in lines[-1], lines[-1]
     (count,) = re.findall(r"prompt_eval_count=(\d+)", lines[-1])
-    assert int(count) > 64, lines[-1]
+    assert int(count) > 2 * 64, lines[-1]
     # and the conversation shows the picture sent (a data: URL: the user's own image, nothing remote)
     shown = [i.get_attribute("src") for i in page.all("#messages .msg.user img")]
     assert shown and shown[-1].startswith("data:image/"), page.css("#messages .msg.user").get_attribute("outerHTML")
