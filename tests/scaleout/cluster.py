@@ -25,10 +25,8 @@ import pytest
 from tests.conftest import REPO, free_port
 
 HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
-CHATML = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+#: a chat template of few tokens (the tiny test model spells text byte by byte): turns stay cheap on a busy machine
+TERSE_TEMPLATE = "{% for m in messages %}{{ m['role'][0] + ':' + m['content'] + '\n' }}{% endfor %}a:"
 
 
 def haproxy_cfg() -> ModuleType:
@@ -68,8 +66,9 @@ class Replica:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> None:
-        """Start ``corral serve`` on this replica's port and store (again, after a stop); returns once it answers."""
+    def start(self, wait: bool = True) -> None:
+        """Start ``corral serve`` on this replica's port and store (again, after a stop); returns once it answers
+        (``wait``; else call :meth:`wait_up`)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("CORRAL_", "OLLAMA_"))}
         env.update(
             {
@@ -85,11 +84,14 @@ class Replica:
         self.logs.append(log)
         out = open(log, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen([sys.executable, "-m", "cli", "serve"], env=env, cwd=REPO, stdout=out, stderr=out)
+        if wait:
+            self.wait_up()
 
+    def wait_up(self) -> None:
         def up() -> bool:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise RuntimeError(f"replica {self.name} exited with {self.proc.returncode}:\n{log.read_text()}")
+                raise RuntimeError(f"replica {self.name} exited with {self.proc.returncode}:\n{self.text()}")
             try:
                 return httpx.get(self.url + "/health", timeout=1).status_code == 200
             except httpx.HTTPError:
@@ -122,6 +124,15 @@ class Replica:
 
     def text(self) -> str:
         return "".join(p.read_text(errors="replace") for p in self.logs if p.exists())
+
+
+def stop_all(replicas: list[Replica]) -> None:
+    """SIGTERM to all at once (each drains on its own), then wait for each."""
+    for r in replicas:
+        if r.proc is not None and r.proc.poll() is None:
+            r.proc.terminate()
+    for r in replicas:
+        r.stop()
 
 
 @dataclass
