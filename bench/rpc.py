@@ -8,21 +8,24 @@ Both configurations are corral's own runner process (daemon/runners/process.py) 
 (scripts/fetch_smollm2.py), num_ctx 1024, greedy, no repeat penalty, one stream:
 
 * ``local``: every layer on this host's CPU, the venv's llama.cpp, ``num_thread`` 2 (the machine's cores);
+* ``local, 1 thread``: the same with ``num_thread`` 1: what one rpc-server computes with (a layer split is a
+  pipeline: one server computes at a time), and free of the spin-waits of two threads on busy shared cores;
 * ``rpc x2``: two rpc-servers (scripts/build-rpc.sh's, ``-t --server-threads`` each) on 127.0.0.1, the runner with
   ``rpc_servers`` both and ``tensor_split`` 0.5/0.5 and every layer offloaded (what ``CORRAL_RPC_SERVERS`` gives a
   load that fits the servers), loading the RPC-enabled libraries from the build's cache.
 
 A round runs each configuration once (their order alternates between rounds): load, one warm-up generation,
-then ``--tokens`` tokens from a fixed prompt; decode tok/s is the runner's own count (eval_count / eval_duration,
-the prompt excluded), prompt tok/s likewise. The texts of the two must be equal (checked). The table has the
-median of the rounds and each round's numbers; ``--write`` replaces the ``## llama.cpp RPC`` section of the given
-file (appended when absent).
+then ``--tokens`` tokens from a fixed chat prompt (ChatML, written out); decode tok/s is the runner's own count
+(eval_count / eval_duration, the prompt excluded), prompt tok/s likewise. The texts of the two must be equal
+(checked). The table has the median of the rounds and each round's numbers; ``--write`` replaces the
+``## llama.cpp RPC`` section of the given file (appended when absent).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import platform
 import statistics
@@ -39,7 +42,11 @@ from daemon import rpc  # noqa: E402
 from daemon.runners.base import Done, GenerateRequest, LoadSpec, SampleParams, Token  # noqa: E402
 from daemon.runners.process import ProcessRunner  # noqa: E402
 
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+# SmolLM2's chat template (ChatML), written out: the runner takes the prompt as it is
+PROMPT = (
+    "<|im_start|>user\nWrite a short story about a lighthouse keeper who finds a message in a bottle.<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 SECTION = "## llama.cpp RPC"
 
 
@@ -77,7 +84,7 @@ async def run_once(spec: LoadSpec, env: dict[str, str] | None, tokens: int) -> t
                 parts.append(ev.text)
             elif isinstance(ev, Done):
                 done = ev
-        assert done is not None
+        assert done is not None and done.eval_count > 0, "the model generated nothing"
         pp = done.prompt_eval_count / max(1e-9, done.prompt_eval_duration / 1e9)
         tg = done.eval_count / max(1e-9, done.eval_duration / 1e9)
         return load, pp, tg, "".join(parts)
@@ -122,6 +129,7 @@ def main() -> None:
         base = LoadSpec(model_path=str(model), num_ctx=1024, num_thread=2)
         configs = {
             "local": (base, None),
+            "local, 1 thread": (dataclasses.replace(base, num_thread=1), None),
             "rpc x2": (
                 LoadSpec(
                     model_path=str(model),
@@ -148,7 +156,8 @@ def main() -> None:
                 print(
                     f"round {rnd + 1} {name}: load {load:.2f}s prompt {pp:.1f} tok/s decode {tg:.1f} tok/s", flush=True
                 )
-        same = texts["local"] == texts["rpc x2"]
+        same = len(set(texts.values())) == 1
+        load_avg = os.getloadavg()[0]
         lines = [
             SECTION,
             "",
@@ -171,7 +180,8 @@ def main() -> None:
             )
         lines += [
             "",
-            f"Same text from both: {'yes' if same else 'NO'}.",
+            f"Same text from all: {'yes' if same else 'NO'}. Load average at the end: {load_avg:.1f} "
+            "(other sessions' work on the same cores included).",
             "",
         ]
         out = "\n".join(lines)
