@@ -212,3 +212,57 @@ def test_background_pull_goes_on_without_its_client(
         ended = wait_for(lambda: (j := jobs(c).get(slow)) and j["done"] and j, "the cancelled pull to end")
         assert ended["status"] == "cancelled" and "cancelled" in ended["error"]
         assert slow not in [m["name"] for m in c.get("/api/tags").json()["models"]]
+
+
+def test_pull_jobs_table_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table alone: one running job per name, errors before the first step raise and stay listed, a failure
+    later is recorded, cancel ends a job at its next step, finished jobs expire."""
+    import threading
+
+    from errors import InvalidRequest, RegistryProtocolError
+    from registry import pull_jobs
+    from registry.pull_jobs import PullJobs
+
+    table = PullJobs()
+    go = threading.Event()
+
+    def steady() -> Iterator[dict[str, Any]]:
+        yield {"status": "pulling manifest"}
+        for done in range(0, 101, 10):
+            go.wait(10)
+            yield {"status": "pulling abc", "digest": "sha256:abc", "total": 100, "completed": done}
+        yield {"status": "success"}
+
+    job = table.start("m", False, steady)
+    assert table.start("m", False, lambda: pytest.fail("a second pull of a running name")) is job
+    go.set()
+    wait_for(lambda: job.done, "the job to end")
+    (listed,) = table.list()
+    assert listed["status"] == "success" and listed["completed"] == listed["total"] == 100 and "error" not in listed
+    assert listed["layers"][0]["eta_seconds"] == 0.0
+
+    def bad_name() -> Iterator[dict[str, Any]]:
+        raise InvalidRequest("invalid model name")
+
+    with pytest.raises(InvalidRequest):
+        table.start("bad", False, bad_name)
+    assert {j["model"]: j.get("error") for j in table.list()}["bad"] == "invalid model name"
+
+    def breaks() -> Iterator[dict[str, Any]]:
+        yield {"status": "pulling manifest"}
+        raise RegistryProtocolError("the registry hung up")
+
+    broken = table.start("broken", False, breaks)
+    wait_for(lambda: broken.done, "the broken job to end")
+    assert broken.to_json()["error"] == "the registry hung up"
+
+    go.clear()
+    slow = table.start("slow", False, steady)
+    assert table.cancel("slow") is slow and table.cancel("absent") is None
+    go.set()
+    wait_for(lambda: slow.done, "the cancelled job to end")
+    assert slow.to_json()["status"] == "cancelled" and "cancelled" in slow.to_json()["error"]
+
+    later = time.time() + pull_jobs.KEEP_FINISHED + 1
+    monkeypatch.setattr("registry.pull_jobs.time.time", lambda: later)  # every job has ended: nothing else runs
+    assert table.list() == []
