@@ -389,3 +389,28 @@ def test_the_daemon_offloads_to_rpc_servers_and_shows_them(build: Build, servers
         assert f"RPC server {servers.endpoints[1]} is left out of this load" in log
     finally:
         stop_daemon(d)
+
+
+@pytest.mark.anyio
+async def test_a_second_runner_finds_the_servers_busy_and_stays_local(
+    build: Build, servers: Servers, tmp_path: Path
+) -> None:
+    """An rpc-server serves one client at a time: a second model loaded while the first holds the servers finds
+    them busy (the hello unanswered), is told so within the probe's bound and runs locally instead of waiting."""
+    model = write_tiny_gguf(tmp_path / "tiny.gguf", n_layer=4)
+    local, _ = await _run(LoadSpec(model_path=str(model), num_ctx=256), None, "a b c")
+    spec = LoadSpec(
+        model_path=str(model), num_ctx=256, num_gpu=5, rpc_servers=tuple(servers.endpoints), tensor_split=(0.5, 0.5)
+    )
+    first = ProcessRunner(spec, env=_env(build))
+    await first.start()
+    try:
+        assert first.rpc is not None and first.rpc.servers == tuple(servers.endpoints)
+        started = time.monotonic()
+        text, second = await _run(spec, _env(build), "a b c")
+        assert time.monotonic() - started < 60
+        assert text == local
+        assert second.rpc is not None and second.rpc.servers == () and second.spec.num_gpu == 0
+        assert all("busy" in second.rpc.skipped[e] for e in servers.endpoints)
+    finally:
+        await first.close()
