@@ -75,7 +75,19 @@ def test_page_ships_in_the_wheel() -> None:
         assert not any(rel.startswith(i.rstrip("/") + "/") or p.match(i) for i in ignored), rel
 
 
-def test_ui_route_serves_the_page_with_a_strict_policy(daemon: Daemon) -> None:
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One daemon for the tests that only read the page or add models of their own."""
+    root = tmp_path_factory.mktemp("ui-route")
+    d = start_daemon(root / "models", root / "daemon.log")
+    try:
+        yield d
+    finally:
+        stop_daemon(d)
+
+
+def test_ui_route_serves_the_page_with_a_strict_policy(shared: Daemon) -> None:
+    daemon = shared
     with daemon.client() as c:
         for path in ("/ui", "/ui/"):
             r = c.get(path)
@@ -130,7 +142,8 @@ def test_page_is_open_but_its_api_calls_need_the_key(keyed_daemon: Daemon) -> No
         assert c.get("/ui", headers={"origin": "https://evil.example"}).status_code == 403
 
 
-def test_modelfile_parse_gives_the_create_body_or_line_and_column(daemon: Daemon) -> None:
+def test_modelfile_parse_gives_the_create_body_or_line_and_column(shared: Daemon) -> None:
+    daemon = shared
     text = (
         "FROM smollm2\nFROM ./mmproj.gguf\nPARAMETER temperature 0.5\nPARAMETER stop <end>\n"
         'SYSTEM """be brief"""\nLICENSE MIT\nMESSAGE user hi\n'
@@ -173,8 +186,9 @@ def jobs(c: httpx.Client) -> dict[str, dict[str, Any]]:
 
 
 def test_background_pull_goes_on_without_its_client(
-    daemon: Daemon, registry: tuple[FakeRegistry, ServerThread]
+    shared: Daemon, registry: tuple[FakeRegistry, ServerThread]
 ) -> None:
+    daemon = shared
     reg, server = registry
     layer = b"\x01" * 600_000
     reg.add_model("ns/m", "v1", [(MODEL_TYPE, layer)])
