@@ -1,6 +1,7 @@
 // The Models view: the list (from /api/tags), details (/api/show), copy, delete with confirmation, pull (background
 // pulls: POST/GET/DELETE /api/pulls, so they survive a reload), push, and create from a Modelfile.
 
+import { sha256File } from "./sha256.js";
 import { $, $$, el, api, apiJSON, readNDJSON, fmtBytes, fmtDuration, fmtAgo, notice, promptText, confirmDialog } from "./util.js";
 
 let pollTimer = null;
@@ -262,16 +263,11 @@ function baseName(p) {
   return p.split(/[\\/]/).pop();
 }
 
-async function sha256(file) {
-  if (!crypto.subtle) throw new Error("hashing a dropped file needs a secure context: open the page as http://127.0.0.1 or http://localhost");
-  const buf = await file.arrayBuffer();
-  const h = new Uint8Array(await crypto.subtle.digest("SHA-256", buf));
-  return "sha256:" + Array.from(h, (b) => b.toString(16).padStart(2, "0")).join("");
-}
-
 async function upload(file, out) {
   out.textContent = "hashing " + file.name;
-  const digest = await sha256(file);
+  const digest = await sha256File(file, (done, total) => {
+    out.textContent = `hashing ${file.name} ${Math.floor((100 * done) / total)}%`;
+  });
   const head = await api("/api/blobs/" + digest, { method: "HEAD", raw: true });
   if (head.status !== 200) {
     out.textContent = "copying " + file.name + " (" + fmtBytes(file.size) + ")";
