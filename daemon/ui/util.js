@@ -116,7 +116,12 @@ export async function api(path, opts = {}) {
       try {
         const j = await res.json();
         if (j && j.error) msg = typeof j.error === "string" ? j.error : j.error.message || JSON.stringify(j.error);
-      } catch (_) { /* not JSON */ }
+      } catch (_) {
+        // DoorGuard answers an origin or host it refuses with an empty 403
+        if (res.status === 403) {
+          msg = `the daemon refused this page's address (${location.origin}): open the page as http://127.0.0.1:<port>/ui or http://localhost:<port>/ui, or add ${location.origin} to CORRAL_ORIGINS`;
+        }
+      }
       throw new ApiError(res.status, msg);
     }
     return res;
