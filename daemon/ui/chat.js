@@ -81,6 +81,15 @@ export function init() {
   $("#chat-image").addEventListener("change", (e) => { addImages(e.target.files); e.target.value = ""; });
   $("#conversations").addEventListener("click", onConversationClick);
   $("#messages").addEventListener("click", onMessageClick);
+  window.addEventListener("storage", (e) => { // another tab saved its conversations: show them here too
+    if (e.key !== STORE || controller) return;
+    const id = current && current.id;
+    load();
+    current = convs.find((c) => c.id === id) || null;
+    if (!current && convs.length) current = convs[0];
+    renderConversations();
+    renderMessages();
+  });
 }
 
 export async function enter() {
