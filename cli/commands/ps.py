@@ -248,6 +248,16 @@ def info_lines(data: dict[str, Any]) -> list[str]:
             + (f"; per GPU: {', '.join(output.format_size(int(x)) for x in per_gpu)}" if len(per_gpu) > 1 else ""),
         ]
     )
+    for server in (data.get("rpc") or {}).get("servers") or []:  # CORRAL_RPC_SERVERS (llama.cpp rpc-servers)
+        rows.append(
+            [
+                f"RPC server {server.get('endpoint')}",
+                f"protocol {server.get('version')}, {len(server.get('devices') or [])} device(s), "
+                f"{gib(server.get('memory_total'))} total, {gib(server.get('memory_free'))} free"
+                if server.get("ok")
+                else f"not used: {server.get('error')}",
+            ]
+        )
     max_loaded = budgets.get("max_loaded_models")
     rows.append(["Max loaded models", str(max_loaded) if max_loaded else "no limit (memory decides)"])
     rows.extend(setting_rows(data.get("settings") or {}))

@@ -368,6 +368,8 @@ def test_the_daemon_offloads_to_rpc_servers_and_shows_them(build: Build, servers
             assert info["rpc"]["active"] == servers.endpoints
             assert all(s["ok"] and s["memory_total"] > 0 for s in info["rpc"]["servers"])
             assert info["budgets"]["vram"] >= info["rpc"]["budget"] > 0
+            shown = d.cli("info")
+            assert shown.returncode == 0 and all(f"RPC server {e}" in shown.stdout for e in servers.endpoints)
             assert _generate(h, "tiny") == expected
             (loaded,) = h.get("/api/ps").json()["models"]
             assert loaded["rpc"]["servers"] == servers.endpoints
