@@ -259,6 +259,7 @@ class Engine:
         self._turn_since = 0.0
         self._served: dict[AdapterSet, float] = {}
         self.switch_cost = SWITCH_COST_PRIOR
+        self._after_switch: tuple[float, int] | None = None  # (seconds, rows) of the step that switched
         self.cache_bytes = max(0, cache_bytes)
         self.saved: list[Saved] = []  # oldest first
         self.spare: list[np.ndarray] = []  # buffers of entries that left, written once already: fast to reuse
@@ -1139,14 +1140,21 @@ class Engine:
         if not plan:
             return
         switched = turn != self._applied
+        started = time.perf_counter()
         self._apply_adapters(turn)
-        self._served[turn] = time.perf_counter()
-        seconds = self._decode_plan(plan, decode_only and not switched)
-        line = self.spec_cost.line()
-        if switched and decode_only and line is not None:
-            # what the decode after the switch took beyond a decode of as many tokens: the switch's cost
-            extra = max(0.0, seconds - (line[0] + line[1] * sum(len(t) for t in plan.values())))
-            self.switch_cost = 0.7 * self.switch_cost + 0.3 * extra
+        self._served[turn] = started
+        self._decode_plan(plan, decode_only and not switched)
+        # A switch's cost: the first step of a turn against the next, of the same sequences. Whole steps, the
+        # logits' read included: on a GPU llama_decode returns before the card is done, and the wait is there.
+        took = time.perf_counter() - started
+        rows = len(plan)
+        if switched:
+            self._after_switch = (took, rows) if decode_only else None
+        elif self._after_switch is not None:
+            first, first_rows = self._after_switch
+            self._after_switch = None
+            if decode_only and rows == first_rows:
+                self.switch_cost = 0.7 * self.switch_cost + 0.3 * max(0.0, first - took)
 
     def _turn(self) -> AdapterSet:
         """The LoRA adapter set this step serves (TURN_*): the one the context holds while it has work and its turn
@@ -1212,9 +1220,9 @@ class Engine:
             raise EngineError(f"llama.cpp could not apply the LoRA adapters ({rc})", 500)
         self._applied = key
 
-    def _decode_plan(self, plan: dict[int, list[int]], decode_only: bool) -> float:
+    def _decode_plan(self, plan: dict[int, list[int]], decode_only: bool) -> None:
         """One ``llama_decode`` of the tokens ``plan`` puts after each slot's KV, and the sampling of every
-        sequence that gets logits from it (``_verify`` when some verify drafts). Returns the decode's seconds."""
+        sequence that gets logits from it (``_verify`` when some verify drafts)."""
         lc, batch = self.lc, self._batch
         # laid out in sequence-id order: llama.cpp splits a batch over several KV streams into passes of consecutive
         # sequence ids with as many tokens each, so out of order it would run extra passes. The batch's arrays are
@@ -1246,7 +1254,7 @@ class Engine:
                 outputs.append(seq)
         n = len(toks)
         if n == 0:
-            return 0.0
+            return
         self._tok[:n] = toks
         self._pos[:n] = poss
         self._sid[:n] = sids
@@ -1266,7 +1274,7 @@ class Engine:
             self.spec_cost.observe_step(n, seconds)
         if drafting:
             self._verify(outputs, self._logits(len(rows)), now)
-            return seconds
+            return
         # a view of llama.cpp's logits, not a copy: they are read (and penalised in place) before the next decode
         logits = self._logits(len(outputs))
         for i, q in enumerate(outputs):
@@ -1281,7 +1289,7 @@ class Engine:
                 if seq.first_at == 0:
                     seq.first_at, self._first_token = now, True
                 self._accept(seq, tok, None)
-            return seconds
+            return
         lp_rows = {i: logits[i].copy() for i, q in enumerate(outputs) if q.top_logprobs is not None}
         constrained = [i for i, q in enumerate(outputs) if q.grammar is not None]
         unconstrained = {i: logits[i].copy() for i in constrained}
@@ -1297,7 +1305,6 @@ class Engine:
             if seq.first_at == 0:
                 seq.first_at, self._first_token = now, True
             self._accept(seq, tok, lp_rows.get(i))
-        return seconds
 
     # -- speculative decoding (speculative.py) --------------------------------------------------------------------
     def _draft(self, plan: dict[int, list[int]]) -> None:

@@ -183,14 +183,14 @@ def test_adapter_sets_take_turns_of_several_steps_and_none_starves(base: Path, l
             switches.append(key)
         apply(key)
 
-    def counting_decode(plan: dict[int, list[int]], decode_only: bool) -> float:
+    def counting_decode(plan: dict[int, list[int]], decode_only: bool) -> None:
         steps[0] += 1
-        return decode(plan, decode_only)
+        decode(plan, decode_only)
 
     try:
         engine.call(lambda: r._load_adapters(loras))
         engine.switch_cost = 0.01  # a switch as costly as on a GPU: turns of 90 ms (tiny steps take well under 1)
-        engine._apply_adapters, engine._decode_plan = counting_apply, counting_decode  # type: ignore[method-assign]
+        engine._apply_adapters, engine._decode_plan = counting_apply, counting_decode
         with engine._cv:
             for i, prompt in enumerate(prompts):
                 engine.submit(i + 1, prompt, params, adapters=((loras[i % 4], 1.0),))
@@ -200,7 +200,7 @@ def test_adapter_sets_take_turns_of_several_steps_and_none_starves(base: Path, l
         assert sorted(sets[:4]) == sorted(loras)  # each set served once before any set a second time
         assert len(switches) * 3 <= steps[0]  # several steps a turn, not a switch a step
     finally:
-        engine._apply_adapters, engine._decode_plan = apply, decode  # type: ignore[method-assign]
+        engine._apply_adapters, engine._decode_plan = apply, decode
         r.close()
     for i in (0, 1):  # and the answers are those of the adapter alone
         assert text_of(chan, i + 1) == alone(base, prompts[i], loras[i], params)
