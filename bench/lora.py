@@ -368,7 +368,7 @@ def run(args: argparse.Namespace) -> None:
         for k in keys:
             started = time.monotonic()
             if k == "before":
-                server: Server = Corral(k, args.before.resolve(), base, adapters, args.ctx, args.streams // ADAPTERS)
+                server: Server = Corral(k, args.before.resolve(), base, adapters, args.ctx, before_slots(args))
             elif k == "shared":
                 server = Corral(k, args.shared.resolve(), base, adapters, args.ctx, args.streams)
             else:
@@ -426,7 +426,7 @@ def command(args: argparse.Namespace) -> str:
         f"bench/setup_peers.sh && git worktree add --detach {args.before} 9fd7123 && .venv/bin/python bench/lora.py "
         f"--rounds {args.rounds} --tokens {args.tokens} --streams {args.streams} --ctx {args.ctx} "
         f"--scale {args.scale:g} --before {args.before} {shared}--quiet {args.quiet} --retries {args.retries} "
-        f"--configs {args.configs}" + (f" --write {args.write}" if args.write else "")
+        f"--configs {args.configs} --before-slots {args.before_slots}" + (f" --write {args.write}" if args.write else "")
     )
 
 
@@ -437,7 +437,15 @@ def _ratio(a: list[float], b: list[float]) -> str:
 
 def heading(args: argparse.Namespace) -> str:
     """The section's title: a run at another num_ctx or stream count is a section of its own."""
-    return f"{TITLE}, {args.streams} streams, num_ctx {args.ctx}"
+    same = ", four runners of as many slots" if args.before_slots == "same" else ""
+    return f"{TITLE}, {args.streams} streams, num_ctx {args.ctx}{same}"
+
+
+def before_slots(args: argparse.Namespace) -> int:
+    """Slots of each of the four runners: ``split``, the streams over the four (the same slots in all as the shared
+    runner: the same KV cache); ``same``, the shared runner's CORRAL_NUM_PARALLEL (what a user who runs both with one
+    setting gets: four times the KV cache)."""
+    return args.streams if args.before_slots == "same" else args.streams // ADAPTERS
 
 
 def render(
@@ -445,7 +453,7 @@ def render(
 ) -> list[str]:
     labels = {
         "before": f"corral before issue 29 ({revision(args.before)}): a runner per model, "
-        f"{args.streams // ADAPTERS} slots each",
+        f"{before_slots(args)} slots each",
         "shared": f"corral with the shared runner ({revision(args.shared)}): {args.streams} slots",
         "llama-server": f"llama-server, `--lora` x{ADAPTERS}, per-request `lora`, `-np {args.streams}`",
     }
@@ -510,14 +518,21 @@ def render(
             value = float(_ratio(mine, theirs))
             met = value <= target if op == "<=" else value >= target
             lines.append(f"| {what} | {value:.2f} | {op} {target:g} | {'yes' if met else '**no**'} |")
-        less = _ratio([b.pss - kv for b in shared], [b.pss - kv for b in before])
-        lines += [
-            "",
-            f"Both corrals (and llama-server) hold the same KV cache: {args.streams} slots x {args.ctx} positions, "
-            f"f16, {kv / 2**20:.0f} MiB in all, which the shared runner cannot share. Less that cache, the shared "
-            f"runner's PSS is **{less}x** the four runners' (the base's weights, llama.cpp's buffers and a Python "
-            "interpreter held once instead of four times).",
-        ]
+        if args.before_slots == "split":
+            less = _ratio([b.pss - kv for b in shared], [b.pss - kv for b in before])
+            lines += [
+                "",
+                f"Both corrals (and llama-server) hold the same KV cache: {args.streams} slots x {args.ctx} positions, "
+                f"f16, {kv / 2**20:.0f} MiB in all, which the shared runner cannot share. Less that cache, the shared "
+                f"runner's PSS is **{less}x** the four runners' (the base's weights, llama.cpp's buffers and a Python "
+                "interpreter held once instead of four times).",
+            ]
+        else:
+            lines += [
+                "",
+                f"Both corrals run with the same CORRAL_NUM_PARALLEL ({args.streams}): each of the four runners holds "
+                f"a KV cache of {args.streams} slots x {args.ctx} positions, as the shared runner does once.",
+            ]
     ref = results[keys[0]][-1].answers
     first = plan(args.streams)
     by_prompt: dict[str, set[str]] = {}
@@ -559,6 +574,12 @@ def main() -> None:
     )
     ap.add_argument("--retries", type=int, default=3, help="most times one burst is taken again")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    ap.add_argument(
+        "--before-slots",
+        choices=("split", "same"),
+        default="split",
+        help="each of the four runners' slots: the streams split over them, or as many as the shared runner's",
+    )
     ap.add_argument("--write", type=Path, help="replace this section of a markdown file (docs/benchmarks.md)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))  # the servers are stopped on the way out
