@@ -426,7 +426,8 @@ def command(args: argparse.Namespace) -> str:
         f"bench/setup_peers.sh && git worktree add --detach {args.before} 9fd7123 && .venv/bin/python bench/lora.py "
         f"--rounds {args.rounds} --tokens {args.tokens} --streams {args.streams} --ctx {args.ctx} "
         f"--scale {args.scale:g} --before {args.before} {shared}--quiet {args.quiet} --retries {args.retries} "
-        f"--configs {args.configs} --before-slots {args.before_slots}" + (f" --write {args.write}" if args.write else "")
+        f"--configs {args.configs} --before-slots {args.before_slots}"
+        + (f" --write {args.write}" if args.write else "")
     )
 
 
