@@ -250,6 +250,7 @@ function fillAssistant(node, answer, m) {
       node.insertBefore(thinking, node.children[1] || null);
     }
     $(".thinking-text", thinking).replaceChildren(renderMarkdown(m.thinking));
+    $("summary", thinking).textContent = m.streaming && !m.content ? "Thinking…" : "Thinking";
   }
   if (!answer.parentNode) node.append(answer);
   answer.replaceChildren(renderMarkdown(m.content || ""));
@@ -379,7 +380,7 @@ async function run(tools) {
   if (think !== undefined) body.think = think;
   if (tools) body.tools = tools;
 
-  const m = { role: "assistant", model, content: "", thinking: "" };
+  const m = { role: "assistant", model, content: "", thinking: "", streaming: true };
   const conv = current;
   conv.messages.push(m);
   const index = conv.messages.length - 1;
@@ -425,6 +426,7 @@ async function run(tools) {
     $("#chat-stop").disabled = true;
     $("#chat-send").disabled = false;
     if (!m.thinking) delete m.thinking;
+    delete m.streaming;
     m.updates = updates + 1;
     draw();
     answer.dataset.done = "1";
