@@ -391,15 +391,18 @@ async function run(tools) {
   const box = $("#messages");
   let updates = 0;
   let scheduled = false;
+  let cost = 0; // ms the last render took: a long answer is rendered less often, so the page stays responsive
   const draw = () => {
     scheduled = false;
     const stick = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
+    const t0 = performance.now();
     fillAssistant(node, answer, m);
+    cost = performance.now() - t0;
     updates++;
     answer.dataset.updates = String(updates);
     if (stick) box.scrollTop = box.scrollHeight;
   };
-  const later = () => { if (!scheduled) { scheduled = true; setTimeout(draw, 16); } }; // not requestAnimationFrame: it pauses in a hidden tab
+  const later = () => { if (!scheduled) { scheduled = true; setTimeout(draw, Math.max(16, 4 * cost)); } }; // not requestAnimationFrame: it pauses in a hidden tab
 
   controller = new AbortController();
   $("#chat-stop").disabled = false;
