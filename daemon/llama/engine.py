@@ -1388,7 +1388,9 @@ class Engine:
                     self._keep_first_row(seq, row)
                     seq.first_at, self._first_token = now, True
                 raw = row.copy() if seq.top_logprobs is not None else None
-                tok = self._sample_one(seq, row, slot.tokens[: base + j + 1])
+                # the penalty window is what the KV holds up to this position (a copy: only when penalised)
+                window = slot.tokens[: base + j + 1] if seq.sampler.penalised else []
+                tok = self._sample_one(seq, row, window)
                 self._accept(seq, tok, raw)
                 if seq.slot is not slot or j == len(drafts) or tok != drafts[j]:
                     break
