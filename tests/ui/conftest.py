@@ -91,9 +91,14 @@ class Page:
     ) -> Any:
         """Poll ``condition`` until it is truthy (returned) or ``timeout`` passes (an AssertionError naming ``what``,
         called then if it is a callable)."""
+        from selenium.common.exceptions import StaleElementReferenceException
+
         deadline = time.monotonic() + timeout
         while True:
-            value = condition()
+            try:
+                value = condition()
+            except StaleElementReferenceException:  # the page drew that part anew: look again
+                value = None
             if value:
                 return value
             if time.monotonic() > deadline:
@@ -101,6 +106,19 @@ class Page:
                     f"timed out after {timeout:.0f}s waiting until {what() if callable(what) else what}"
                 )
             time.sleep(poll)
+
+    def click(self, selector: str) -> None:
+        """Click the element ``selector`` finds, found again if the page redraws it in between."""
+        from selenium.common.exceptions import StaleElementReferenceException
+
+        for attempt in range(5):
+            try:
+                self.css(selector).click()
+                return
+            except StaleElementReferenceException:
+                if attempt == 4:
+                    raise
+                time.sleep(0.1)
 
     def fill(self, selector: str, text: str) -> None:
         """Set an input's or textarea's value as typing would (the page listens to input events)."""

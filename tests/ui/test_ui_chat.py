@@ -105,20 +105,38 @@ def new_chat(page: Page, d: Daemon, model: str) -> None:
         page.show("chat")
     else:
         page.open(d, "chat")
-    page.css("#new-chat").click()
+    page.click("#new-chat")
     page.select("#chat-model", model)
 
 
-def send(page: Page, text: str) -> Any:
-    """Send a message; the new assistant message's ``.answer`` element."""
+LAST_ANSWER = "[...document.querySelectorAll('#messages .msg.assistant .answer')].pop()"
+
+
+class Answer:
+    """The last assistant message's ``.answer``, looked up afresh on each use (the page may draw it anew)."""
+
+    def __init__(self, page: Page) -> None:
+        self.page = page
+
+    def get_attribute(self, name: str) -> str | None:
+        value = self.page.js(f"const a = {LAST_ANSWER}; return a ? a.getAttribute(arguments[0]) : null", name)
+        return None if value is None else str(value)
+
+    @property
+    def text(self) -> str:
+        return str(self.page.js(f"const a = {LAST_ANSWER}; return a ? a.innerText : ''"))
+
+
+def send(page: Page, text: str) -> Answer:
+    """Send a message; the new assistant message's ``.answer``."""
     before = len(page.all("#messages .msg.assistant"))
     page.fill("#chat-input", text)
-    page.css("#chat-send").click()
+    page.click("#chat-send")
     page.wait(lambda: len(page.all("#messages .msg.assistant")) > before, what="the answer appears")
-    return page.all("#messages .msg.assistant .answer")[-1]
+    return Answer(page)
 
 
-def wait_done(page: Page, answer: Any, timeout: float = WAIT) -> None:
+def wait_done(page: Page, answer: Answer, timeout: float = WAIT) -> None:
     page.wait(lambda: answer.get_attribute("data-done") == "1", timeout, "the answer is done")
 
 
@@ -129,7 +147,7 @@ def test_answer_streams(page: Page, chat_daemon: Daemon) -> None:
     seen: list[tuple[str | None, str | None]] = []
 
     def streamed() -> bool:
-        state = page.js("return [arguments[0].dataset.updates, arguments[0].dataset.done]", answer)
+        state = (answer.get_attribute("data-updates"), answer.get_attribute("data-done"))
         seen.append(tuple(state))
         return int(state[0] or 0) > 1 and state[1] != "1"
 
@@ -156,7 +174,7 @@ def test_stop_ends_the_generation_on_the_daemon(page: Page, chat_daemon: Daemon)
     page.wait(lambda: int(answer.get_attribute("data-updates") or 0) >= 3, what="the story streams")
     assert busy_slots(chat_daemon, "smol-long:latest") == 1, ps(chat_daemon)
     assert answer.get_attribute("data-done") != "1"
-    page.css("#chat-stop").click()
+    page.click("#chat-stop")
     wait_done(page, answer)
     # the daemon ends the generation: the slot is free again (generous bound: a 2-core machine under load)
     page.wait(lambda: busy_slots(chat_daemon, "smol-long:latest") == 0, what="the slot frees on the daemon")
@@ -194,22 +212,22 @@ def test_conversations_kept_renamed_regenerated_and_edited(page: Page, chat_daem
     assert any("First question" in t for t in titles), titles
     # rename it
     (item,) = [c for c in page.all("#conversations .conversation") if "First question" in c.text]
-    item.find_element("css selector", ".rename").click()
+    page.click(f'#conversations .conversation[data-id="{item.get_attribute("data-id")}"] .rename')
     page.wait(lambda: page.js("return document.querySelector('#prompt-dialog').open"), what="the rename dialog opens")
     page.css("#prompt-input").clear()
     page.css("#prompt-input").send_keys("Renamed chat")
-    page.css("#prompt-ok").click()
+    page.click("#prompt-ok")
     page.wait(lambda: any("Renamed chat" in c.text for c in page.all("#conversations .conversation")), what="renamed")
     # regenerate: the answer is asked for again (one assistant message, drawn anew)
-    page.css("#messages .msg.assistant .regenerate").click()
+    page.click("#messages .msg.assistant .regenerate")
     page.wait(lambda: page.all("#messages .msg.assistant .answer[data-done='1']"), what="the regenerated answer")
     assert len(page.all("#messages .msg.assistant")) == 1
     # edit and resend: the question comes back into the input, the turn after it goes
-    page.css("#messages .msg.user .edit").click()
+    page.click("#messages .msg.user .edit")
     page.wait(lambda: page.css("#chat-input").get_attribute("value") == "First question", what="the text to edit")
     assert page.all("#messages .msg") == []
     page.fill("#chat-input", "Second question")
-    page.css("#chat-send").click()
+    page.click("#chat-send")
     page.wait(lambda: page.all("#messages .msg.assistant .answer[data-done='1']"), what="the answer to the edit")
     assert [m.text for m in page.all("#messages .msg.user .content")] == ["Second question"]
     # kept in the browser: a reload shows the renamed conversation and its messages
@@ -298,6 +316,6 @@ def test_running_view_lists_what_is_loaded(page: Page, chat_daemon: Daemon) -> N
     page.screenshot("running.png")
     # Unload now: the model leaves /api/ps and the table
     gone = loaded[0]
-    page.css(f'#running-table button.unload[data-model="{gone}"]').click()
+    page.click(f'#running-table button.unload[data-model="{gone}"]')
     page.wait(lambda: gone not in [m["name"] for m in ps(chat_daemon)], what=f"{gone} is unloaded")
     page.wait(lambda: not page.all(f'#running-table tr[data-model="{gone}"]'), what=f"{gone}'s row goes")

@@ -71,7 +71,7 @@ def test_list_matches_api_tags_and_details_open(page: Page, models_daemon: Daemo
     shown = [r.get_attribute("data-model") for r in page.all("#models-table tbody tr[data-model]")]
     assert sorted(shown) == sorted(tags(models_daemon))
     assert {"meta-hostile:latest", "tiny:latest"} <= set(shown)
-    page.css('#models-table button.details[data-model="tiny:latest"]').click()
+    page.click('#models-table button.details[data-model="tiny:latest"]')
     page.wait(lambda: page.css("#model-details").is_displayed(), what="the details panel opened")
     assert page.css("#details-title").text == "tiny:latest"
     body = page.js("return document.querySelector('#details-body').textContent")
@@ -85,7 +85,7 @@ def test_list_matches_api_tags_and_details_open(page: Page, models_daemon: Daemo
 
 def test_hostile_metadata_is_text(page: Page, models_daemon: Daemon, remote: CountingServer) -> None:
     page.open(models_daemon, "models")
-    page.css('#models-table button.details[data-model="meta-hostile:latest"]').click()
+    page.click('#models-table button.details[data-model="meta-hostile:latest"]')
     page.wait(lambda: page.css("#details-title").text == "meta-hostile:latest", what="the details panel opens")
     # open every collapsible block, so that whatever the page renders lazily is rendered
     page.js("document.querySelectorAll('#model-details details').forEach(d => d.open = true)")
@@ -109,7 +109,7 @@ def test_pull_shows_progress_survives_reload_and_lists_the_model(
     page.open(models_daemon, "models")
     page.fill("#pull-name", name)
     page.js("document.querySelector('#pull-insecure').checked = true")
-    page.css("#pull-button").click()
+    page.click("#pull-button")
     selector = f'#pulls .pull[data-model="{name}"]'
 
     def state() -> tuple[Any, Any]:
@@ -146,13 +146,13 @@ def test_create_from_a_typed_modelfile_and_its_errors(page: Page, models_daemon:
     page.open(models_daemon, "models")
     page.fill("#create-name", "derived")
     page.fill("#create-modelfile", "FROM tiny\nPARAMETER nonsense 1\n")
-    page.css("#create-button").click()
+    page.click("#create-button")
     status = page.css("#create-status")
     page.wait(lambda: status.text.strip(), what="the create error is shown")
     assert "2:11" in status.text and 'unknown parameter "nonsense"' in status.text, status.text  # as the CLI says it
     assert "derived:latest" not in tags(models_daemon)
     page.fill("#create-modelfile", "FROM tiny\nPARAMETER temperature 0.3\nSYSTEM you are derived\n")
-    page.css("#create-button").click()
+    page.click("#create-button")
     page.wait(lambda: page.all('#models-table tr[data-model="derived:latest"]'), what="the created model is listed")
     assert "success" in status.text, status.text
     with models_daemon.client() as c:
@@ -163,14 +163,13 @@ def test_create_from_a_typed_modelfile_and_its_errors(page: Page, models_daemon:
 def test_delete_asks_first(page: Page, models_daemon: Daemon, tmp_path: Path) -> None:
     create(models_daemon, "doomed", {"doomed.gguf": write_tiny_gguf(tmp_path / "doomed.gguf", seed=7)})
     page.open(models_daemon, "models")
-    delete = page.css('#models-table button.delete[data-model="doomed:latest"]')
-    delete.click()
+    page.click('#models-table button.delete[data-model="doomed:latest"]')
     page.wait(lambda: page.js("return document.querySelector('#confirm').open"), what="the confirmation opens")
-    page.css("#confirm-no").click()  # not confirmed: kept
+    page.click("#confirm-no")  # not confirmed: kept
     page.wait(lambda: not page.js("return document.querySelector('#confirm').open"), what="the dialog closes")
     assert "doomed:latest" in tags(models_daemon)
-    page.css('#models-table button.delete[data-model="doomed:latest"]').click()
+    page.click('#models-table button.delete[data-model="doomed:latest"]')
     page.wait(lambda: page.js("return document.querySelector('#confirm').open"), what="the confirmation opens")
-    page.css("#confirm-yes").click()
+    page.click("#confirm-yes")
     page.wait(lambda: not page.all('#models-table tr[data-model="doomed:latest"]'), what="the row goes")
     assert "doomed:latest" not in tags(models_daemon)
