@@ -260,31 +260,37 @@ class BatchedExampleServer(OpenAIPeer):
         wait_up(self.url + "/v1/models", self.proc)
 
 
+LLAMA_SERVER = SDIST / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
+
+
+def llama_server_argv(gguf: Path, ctx: int, slots: int, *extra: str) -> list[str]:
+    """llama-server on ``gguf`` with ``slots`` slots of ``ctx`` tokens, every core, alias ``bench``, on the port
+    ``OpenAIPeer.start`` fills in, and ``extra`` flags (--lora, speculation...)."""
+    return [
+        str(LLAMA_SERVER),
+        "-m",
+        str(gguf),
+        "-c",
+        str(ctx * slots),
+        "-np",
+        str(slots),
+        "-t",
+        str(os.cpu_count()),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "-a",
+        "bench",
+        *extra,
+    ]
+
+
 class LlamaServer(OpenAIPeer):
     name = "llama.cpp llama-server"
 
     def __init__(self, gguf: Path, ctx: int, work: Path, slots: int) -> None:
-        binary = SDIST / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
-        self.start(
-            [
-                str(binary),
-                "-m",
-                str(gguf),
-                "-c",
-                str(ctx * slots),
-                "-np",
-                str(slots),
-                "-t",
-                str(os.cpu_count()),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "{port}",
-                "-a",
-                "bench",
-            ],
-            "/health",
-        )
+        self.start(llama_server_argv(gguf, ctx, slots), "/health")
 
 
 def check_idle(servers: list[Corral]) -> None:

@@ -67,7 +67,7 @@ from tests.models import write_lora_gguf
 
 CACHE = Path(os.environ.get("CORRAL_BENCH_DIR", Path.home() / ".cache" / "corral-bench"))
 TITLE = "## Many LoRA adapters on one base (issue 29)"
-PEER = batching.SDIST / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
+PEER = batching.LLAMA_SERVER
 ADAPTERS = 4
 CONFIGS = ("before", "shared", "llama-server")
 
@@ -231,27 +231,7 @@ class LlamaServer(batching.OpenAIPeer):
     def __init__(self, base: Path, adapters: list[Path], ctx: int, slots: int) -> None:
         self.name = "llama-server"
         loras = [arg for p in adapters for arg in ("--lora", str(p))]
-        self.start(
-            [
-                str(PEER),
-                "-m",
-                str(base),
-                "-c",
-                str(ctx * slots),
-                "-np",
-                str(slots),
-                "-t",
-                str(os.cpu_count()),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "{port}",
-                "-a",
-                "bench",
-                *loras,
-            ],
-            "/health",
-        )
+        self.start(batching.llama_server_argv(base, ctx, slots, *loras), "/health")
 
     def ask(self, adapter: int, prompt: str, tokens: int) -> Answer:
         body = {

@@ -78,7 +78,7 @@ TARGET = CACHE / "SmolLM2-135M-Instruct-F16.gguf"
 LOG = CACHE / "speculative-corral.log"
 HEAD = "## Speculative decoding: a draft model and prompt lookup (issue 28)"
 CTX = 2048
-PEER = batching.SDIST / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
+PEER = batching.LLAMA_SERVER
 T = TypeVar("T")
 CONFIGS = (
     "corral",
@@ -345,27 +345,7 @@ class LlamaServer(batching.OpenAIPeer):
     def __init__(self, name: str, gguf: Path, flags: list[str]) -> None:
         self.name = name
         self.flags = flags
-        self.start(
-            [
-                str(PEER),
-                "-m",
-                str(gguf),
-                "-c",
-                str(CTX),
-                "-np",
-                "1",
-                "-t",
-                str(os.cpu_count()),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "{port}",
-                "-a",
-                "bench",
-                *flags,
-            ],
-            "/health",
-        )
+        self.start(batching.llama_server_argv(gguf, CTX, 1, *flags), "/health")
 
     def chat(self, model: str, prompt: str, tokens: int, options: dict[str, Any]) -> Result:
         body = {
