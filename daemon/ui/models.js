@@ -252,8 +252,11 @@ async function push() {
 
 // ---- create ----
 async function dropFiles(files) {
+  // a drop with a Modelfile in it starts afresh: the files of an earlier drop are forgotten
+  if (Array.from(files).some((f) => !/\.gguf$/i.test(f.name))) dropped = new Map();
   for (const f of files) {
     if (/\.gguf$/i.test(f.name)) dropped.set(f.name, f);
+    else if (f.size > 1024 * 1024) notice(`${f.name} is not a Modelfile (over 1 MB): drop a Modelfile and the .gguf files it names`);
     else $("#create-modelfile").value = await f.text(); // the Modelfile itself
   }
   $("#create-files").textContent = dropped.size ? "files: " + Array.from(dropped.keys()).join(", ") : "";
