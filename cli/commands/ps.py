@@ -100,10 +100,29 @@ def notes(models: list[dict[str, Any]], prefix: str | None = None) -> list[str]:
             out.append(f"{name} drafts with {m['draft_model']} (speculative decoding; its memory is in SIZE)")
         if m.get("fallback"):
             out.append(f"{name} runs with {m['fallback']}")
+        rpc = m.get("rpc")
+        if isinstance(rpc, dict) and (rpc.get("servers") or rpc.get("skipped")):
+            out.append(f"{name} {rpc_note(rpc)}")
         kv = m.get("kv_disk")
         if isinstance(kv, dict) and (not kv.get("enabled") or kv.get("entries") or kv.get("hits") or kv.get("misses")):
             out.append(f"{name} {kv_disk_note(kv)}")  # an empty cache nothing has asked yet says nothing
     return [""] + out if out else []
+
+
+def rpc_note(rpc: dict[str, Any]) -> str:
+    """Where a model's layers went on llama.cpp RPC servers (CORRAL_RPC_SERVERS), and the servers left out."""
+    held = rpc.get("bytes") or {}
+    used = [f"{e} ({output.format_size(int(held.get(e) or 0))})" for e in rpc.get("servers") or []]
+    text = (
+        f"has layers on RPC server{'s' if len(used) != 1 else ''} {', '.join(used)} (counted as GPU above)"
+        if used
+        else ""
+    )
+    skipped = rpc.get("skipped") or {}
+    if skipped:
+        left = "; ".join(f"{e}: {why}" for e, why in skipped.items())
+        text += ("; " if text else "") + f"left out (its layers stay here): {left}"
+    return text
 
 
 def adapters_note(adapters: list[dict[str, Any]]) -> str:

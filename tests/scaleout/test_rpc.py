@@ -375,6 +375,11 @@ def test_the_daemon_offloads_to_rpc_servers_and_shows_them(build: Build, servers
             assert loaded["rpc"]["servers"] == servers.endpoints
             assert set(loaded["rpc"]["bytes"]) == set(servers.endpoints)
             assert loaded["size_vram"] >= sum(loaded["rpc"]["bytes"].values()) > 0
+            listed = d.cli("ps")
+            assert (
+                listed.returncode == 0
+                and "tiny:latest has layers on RPC servers " + servers.endpoints[0] in listed.stdout
+            )
             assert h.post("/api/generate", json={"model": "tiny", "keep_alive": 0}).status_code == 200
             deadline = time.monotonic() + 30
             while h.get("/api/ps").json()["models"]:
@@ -387,6 +392,7 @@ def test_the_daemon_offloads_to_rpc_servers_and_shows_them(build: Build, servers
             (loaded,) = h.get("/api/ps").json()["models"]
             assert loaded["rpc"]["servers"] == servers.endpoints[:1]
             assert servers.endpoints[1] in loaded["rpc"]["skipped"]
+            assert f"left out (its layers stay here): {servers.endpoints[1]}: connect" in d.cli("ps").stdout
         log = (tmp_path / "daemon.log").read_text()
         assert f"RPC server {servers.endpoints[1]} is left out of this load" in log
     finally:
