@@ -39,6 +39,7 @@ from tests.scaleout.cluster import (
 )
 
 NAMES = ("r1", "r2", "r3")
+pytestmark = pytest.mark.slow  # about a minute: seven daemon starts, 300 requests
 
 
 @dataclass
