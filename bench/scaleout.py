@@ -182,7 +182,7 @@ def main() -> None:
     if not MODEL.is_file():
         sys.exit(f"{MODEL} is missing: run scripts/fetch_smollm2.py")
     load_before = os.getloadavg()[0]
-    rows = []
+    rows: list[tuple[str, float, int, int]] = []
     with tempfile.TemporaryDirectory(prefix="corral-scaleout-") as d:
         tmp = Path(d)
         for name, count, threads in (
