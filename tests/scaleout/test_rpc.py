@@ -422,3 +422,34 @@ async def test_a_second_runner_finds_the_servers_busy_and_stays_local(
         assert all("busy" in second.rpc.skipped[e] for e in servers.endpoints)
     finally:
         await first.close()
+
+
+@pytest.mark.anyio
+async def test_an_embedding_runner_over_two_rpc_servers_gives_the_local_vectors(
+    build: Build, servers: Servers, tmp_path: Path
+) -> None:
+    """Embedding runners go through llama.cpp's high-level API (its own tensor_split): the same vectors."""
+    model = write_tiny_gguf(tmp_path / "tiny.gguf", n_layer=4)
+    vectors = []
+    for spec, env in (
+        (LoadSpec(model_path=str(model), num_ctx=256, embedding=True), None),
+        (
+            LoadSpec(
+                model_path=str(model),
+                num_ctx=256,
+                embedding=True,
+                num_gpu=5,
+                rpc_servers=tuple(servers.endpoints),
+                tensor_split=(0.5, 0.5),
+            ),
+            _env(build),
+        ),
+    ):
+        r = ProcessRunner(spec, env=env)
+        await r.start()
+        try:
+            vectors.append((await r.embed(["a b c"])).vectors[0])
+        finally:
+            await r.close()
+    assert r.rpc is not None and set(r.rpc.bytes) == set(servers.endpoints)
+    assert vectors[0] == pytest.approx(vectors[1], abs=1e-6)
