@@ -42,6 +42,7 @@ export async function loadModels() {
   const rows = (data.models || []).map(row);
   body.replaceChildren(...rows);
   $("#models-empty").hidden = rows.length > 0;
+  $("#model-names").replaceChildren(...(data.models || []).map((m) => el("option", { value: m.name })));
 }
 
 function row(m) {
