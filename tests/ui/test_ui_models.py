@@ -56,7 +56,7 @@ def models_daemon(tmp_path_factory: pytest.TempPathFactory, remote: CountingServ
 
 
 @pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RealRegistry, TCPProxy]]:
+def local_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RealRegistry, TCPProxy]]:
     r = start_registry(tmp_path_factory.mktemp("ui-registry"))
     proxy = TCPProxy(int(r.host.split(":")[1]))
     try:
@@ -98,9 +98,9 @@ def test_hostile_metadata_is_text(page: Page, models_daemon: Daemon, remote: Cou
 
 
 def test_pull_shows_progress_survives_reload_and_lists_the_model(
-    page: Page, models_daemon: Daemon, registry: tuple[RealRegistry, TCPProxy], tmp_path: Path
+    page: Page, models_daemon: Daemon, local_registry: tuple[RealRegistry, TCPProxy], tmp_path: Path
 ) -> None:
-    reg, proxy = registry
+    reg, proxy = local_registry
     # about 12 MB: one download part, so one connection throttled to 2 MB/s: a pull of about six seconds
     blob = write_tiny_gguf(tmp_path / "big.gguf", n_vocab=12000, n_embd=128, n_ff=128).read_bytes()
     put_model(reg.url, "test/big", "v1", blob)
