@@ -22,15 +22,16 @@ import pytest
 from tests.conftest import REPO, Daemon
 from tests.vision import png_bytes
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
+# Debian's packages (chromium, chromium-driver): found on PATH, else where Debian puts them
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 SCREENSHOTS = REPO / "build" / "ui-screenshots"
 WAIT = 60.0  # generous bound for the page to catch up with the daemon on a loaded 2-core machine
 
 
 def _missing_browser() -> str | None:
     for path, package in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")):
-        if not (Path(path).is_file() or shutil.which(Path(path).name)):
+        if not Path(path).is_file():
             return f"{path} is missing: apt-get install {package} (.ci/run installs it)"
     try:
         import selenium  # noqa: F401
