@@ -2,7 +2,7 @@
 real local registry (Debian's docker-registry behind a throttling proxy) shows live progress, survives a reload of
 the page and ends with the model in the list, and hostile Modelfile metadata (license, template, system, messages)
 is shown as text: nothing in it runs or loads; create from a typed Modelfile (with the CLI's line:column errors)
-and delete after a confirmation."""
+and delete after a confirmation; dark mode follows the system."""
 
 from __future__ import annotations
 
@@ -173,3 +173,22 @@ def test_delete_asks_first(page: Page, models_daemon: Daemon, tmp_path: Path) ->
     page.click("#confirm-yes")
     page.wait(lambda: not page.all('#models-table tr[data-model="doomed:latest"]'), what="the row goes")
     assert "doomed:latest" not in tags(models_daemon)
+
+
+def test_dark_mode_follows_the_system(page: Page, models_daemon: Daemon) -> None:
+    def luminance() -> float:
+        rgb = page.js("return getComputedStyle(document.body).backgroundColor")
+        r, g, b = (int(v) for v in rgb[rgb.index("(") + 1 : rgb.index(")")].split(",")[:3])
+        return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255
+
+    page.open(models_daemon, "models")
+    light = luminance()
+    page.driver.execute_cdp_cmd(
+        "Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": "dark"}]}
+    )
+    try:
+        page.wait(lambda: luminance() < 0.3, what="the page turns dark")
+        assert light > 0.7
+        page.screenshot("models-dark.png")
+    finally:
+        page.driver.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
