@@ -41,7 +41,7 @@ def rows(page: Page) -> list[str]:
 def enter_key(page: Page, key: str) -> None:
     page.css("#apikey-input").clear()
     page.css("#apikey-input").send_keys(key)
-    page.css("#apikey-save").click()
+    page.click("#apikey-save")
 
 
 def test_page_asks_for_the_key_and_works_only_after_it(page: Page, keyed: Daemon) -> None:
