@@ -38,8 +38,13 @@ KUBERNETES = PACKAGING / "kubernetes"
 SCALE_OUT = REPO / "docs" / "scale-out.md"
 # the oldest Kubernetes release the manifests must still validate against, and the newest the validator knows
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
-# read at import: the autouse fixture clears CORRAL_* variables before each test
+# read at import: the autouse fixture clears CORRAL_* variables before each test. CORRAL_TEST_IMAGE_BUILD=1 builds
+# the image; the engine's extra flags, if it needs any, come from CORRAL_TEST_IMAGE_BUILD_ARGS and ..._RUN_ARGS (e.g.
+# "--isolation chroot --build-arg PYTHON_IMAGE=localhost/python:3.11" and "--cgroups=disabled" for a podman in a VM
+# without a usable cgroup hierarchy and without Docker Hub)
 BUILD_IMAGE = os.environ.get("CORRAL_TEST_IMAGE_BUILD") == "1"
+BUILD_ARGS = shlex.split(os.environ.get("CORRAL_TEST_IMAGE_BUILD_ARGS", ""))
+RUN_ARGS = shlex.split(os.environ.get("CORRAL_TEST_IMAGE_RUN_ARGS", ""))
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------
@@ -486,7 +491,7 @@ def container_engine() -> str | None:
 
 
 @pytest.mark.slow
-def test_the_image_builds_and_serves() -> None:
+def test_the_image_builds_and_serves(tiny_gguf: Path) -> None:
     if not BUILD_IMAGE:
         pytest.skip("building the image compiles llama.cpp (minutes) and pulls a base image: CORRAL_TEST_IMAGE_BUILD=1")
     engine = container_engine()
@@ -494,12 +499,15 @@ def test_the_image_builds_and_serves() -> None:
         pytest.skip("no working container engine (podman or docker whose `info` answers)")
     tag = "localhost/corral-test:latest"
     build = subprocess.run(
-        [engine, "build", "-f", str(CONTAINERFILE), "-t", tag, str(REPO)], capture_output=True, text=True, timeout=3600
+        [engine, "build", *BUILD_ARGS, "-f", str(CONTAINERFILE), "-t", tag, str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=3600,
     )
     assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
     port = free_port()
     run = subprocess.run(
-        [engine, "run", "-d", "-p", f"127.0.0.1:{port}:11434", "-e", "CORRAL_API_KEY=image-test-key", tag],
+        [engine, "run", "-d", *RUN_ARGS, "-p", f"127.0.0.1:{port}:11434", "-e", "CORRAL_API_KEY=image-test-key", tag],
         capture_output=True,
         text=True,
         timeout=120,
@@ -520,5 +528,26 @@ def test_the_image_builds_and_serves() -> None:
         assert r.status_code == 200
         uid = subprocess.run([engine, "exec", cid, "id", "-u"], capture_output=True, text=True, timeout=60)
         assert uid.stdout.strip() == "10001"
+        # the image's own HEALTHCHECK command, inside the container
+        check = subprocess.run([engine, "exec", cid, *healthcheck_command()], capture_output=True, timeout=60)
+        assert check.returncode == 0, check.stderr
+        # llama.cpp works in the image: a model created through the API (the CLI uploads it) answers
+        (tiny_gguf.parent / "Modelfile").write_text(f"FROM {tiny_gguf}\n")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
+        env.update({"CORRAL_HOST": f"127.0.0.1:{port}", "CORRAL_API_KEY": "image-test-key", "PYTHONPATH": str(REPO)})
+        create = subprocess.run(
+            [sys.executable, "-m", "cli", "create", "tiny", "-f", str(tiny_gguf.parent / "Modelfile")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert create.returncode == 0, create.stdout + create.stderr
+        body = {"model": "tiny", "prompt": "hi", "stream": False, "options": {"num_predict": 4}}
+        r = httpx.post(
+            url + "/api/generate", json=body, headers={"Authorization": "Bearer image-test-key"}, timeout=300
+        )
+        assert r.status_code == 200 and r.json()["done"] and r.json()["eval_count"] >= 1, r.text
+        assert r.headers["x-corral-instance"]  # the container's hostname, by default
     finally:
         subprocess.run([engine, "rm", "-f", cid], capture_output=True, timeout=120)
