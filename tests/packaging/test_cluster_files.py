@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from daemon.settings import ENV_DOCS, Settings
+from registry.names import ModelName
 from tests.conftest import REPO, free_port, start_daemon, stop_daemon
 
 PACKAGING = REPO / "packaging"
@@ -411,6 +412,20 @@ def test_containerfile_copies_what_exists_and_what_the_build_context_holds() -> 
 
 
 # -- the settings the three give, read as the daemon reads them -------------------------------------------------------
+def interpolate(value: str, environ: dict[str, str]) -> str:
+    """Compose's ${VAR}, ${VAR:-default} and ${VAR:?message} (the forms compose.yaml uses)."""
+
+    def one(m: re.Match[str]) -> str:
+        name, op, arg = m.group(1), m.group(2) or "", m.group(3) or ""
+        if name in environ and (environ[name] or not op.startswith(":")):
+            return environ[name]
+        if op.endswith("?"):
+            raise AssertionError(f"compose would stop: {arg}")
+        return arg if op.endswith("-") else ""
+
+    return re.sub(r"\$\{(\w+)(:?[-?])?([^}]*)\}", one, value)
+
+
 def test_every_corral_setting_given_is_known_and_parses(tmp_path: Path) -> None:
     """A misspelt name (CORRAL_PRELOAD_PULLS) would be ignored silently and a bad value would stop every replica:
     the image's ENV, each compose replica's environment and the ConfigMap with the StatefulSet's env are read by
@@ -419,10 +434,11 @@ def test_every_corral_setting_given_is_known_and_parses(tmp_path: Path) -> None:
     key_file.write_text("k" * 32 + "\n")
     image = stage_env(final_stage())
     sources = {"Containerfile": image}
+    caller = {"CORRAL_API_KEY": "k" * 32, "CORRAL_PRELOAD": "http://registry:5000/library/smollm2:135m"}
     for name, svc in compose()["services"].items():
         if name.startswith("corral-"):
-            env = {k: str(v) for k, v in svc["environment"].items()}
-            env["CORRAL_API_KEY"] = "k" * 32  # compose fills it from the caller's environment
+            # compose fills ${VAR} and ${VAR:?message} from the caller's environment
+            env = {k: interpolate(str(v), caller) for k, v in svc["environment"].items()}
             sources[f"compose {name}"] = image | env
     pod = {k: v for cm in resource("ConfigMap") for k, v in cm["data"].items()}
     for e in corral_container()["env"]:
@@ -437,6 +453,7 @@ def test_every_corral_setting_given_is_known_and_parses(tmp_path: Path) -> None:
         assert settings.host.port == 11434 and not settings.host.is_loopback
         if where != "Containerfile":
             assert settings.api_key and settings.preload_pull and settings.drain_timeout > 0
+            assert all(ModelName.is_valid(name) for name in settings.preload), settings.preload
             assert settings.instance in (where.removeprefix("compose "), "corral-0")
 
 
