@@ -2,9 +2,11 @@
 validates against the Kubernetes JSON schemas (kubernetes-validate bundles them: no network), the compose file's
 services, ports and health checks are the ones docs/scale-out.md's table documents, the Containerfile runs as a
 non-root user with a health check, a volume for the store and port 11434, and COPYs only what exists and what
-.dockerignore lets into the build context. The probe and health-check paths of all three are asked of a real
-daemon that requires an API key: each must answer without one, and the image's HEALTHCHECK command itself is run.
-Building the image needs a container engine and a network: that test runs only when asked for."""
+.dockerignore lets into the build context, and every CORRAL_* setting the three give parses as the daemon reads it.
+The probe and health-check paths of all three are asked of a real daemon that requires an API key: each must answer
+without one, and the health-check commands themselves are run. The Kubernetes HAProxy configuration is the
+generator's for the StatefulSet's pods and passes `haproxy -c`. Building the image needs a container engine and a
+network: that test runs only when asked for."""
 
 from __future__ import annotations
 
@@ -41,8 +43,8 @@ SCALE_OUT = REPO / "docs" / "scale-out.md"
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 # read at import: the autouse fixture clears CORRAL_* variables before each test. CORRAL_TEST_IMAGE_BUILD=1 builds
 # the image; the engine's extra flags, if it needs any, come from CORRAL_TEST_IMAGE_BUILD_ARGS and ..._RUN_ARGS (e.g.
-# "--isolation chroot --build-arg PYTHON_IMAGE=localhost/python:3.11" and "--cgroups=disabled" for a podman in a VM
-# without a usable cgroup hierarchy and without Docker Hub)
+# "--isolation chroot --build-arg PYTHON_IMAGE=localhost/python:3.11" for a podman without Docker Hub whose OCI
+# runtime cannot start build containers)
 BUILD_IMAGE = os.environ.get("CORRAL_TEST_IMAGE_BUILD") == "1"
 BUILD_ARGS = shlex.split(os.environ.get("CORRAL_TEST_IMAGE_BUILD_ARGS", ""))
 RUN_ARGS = shlex.split(os.environ.get("CORRAL_TEST_IMAGE_RUN_ARGS", ""))
