@@ -111,11 +111,12 @@ def test_preload_pull_waits_for_the_registry_then_loads(tmp_path: Path) -> None:
 # -- SIGTERM ---------------------------------------------------------------------------------------------------------
 @pytest.fixture
 def drainable(tmp_path: Path) -> Iterator[Daemon]:
-    d = start_daemon(tmp_path / "models", tmp_path / "d.log", {"CORRAL_DRAIN_TIMEOUT": "60s"})
+    d = start_daemon(tmp_path / "models", tmp_path / "d.log", {"CORRAL_DRAIN_TIMEOUT": "120s"})
     try:
         with d.client() as h:
             gguf = write_tiny_gguf(tmp_path / "endless.gguf", never_ends=True, context_length=4096)
-            assert create(h, "endless", gguf).status_code == 200
+            # one thread: llama.cpp's spinning threads slow down many times over on a machine busier than its cores
+            assert create(h, "endless", gguf, parameters={"num_thread": 1}).status_code == 200
             warm = h.post("/api/generate", json=generate_body(2, stream=False), timeout=120)
             assert warm.status_code == 200, warm.text
         yield d
@@ -140,7 +141,7 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones_after_the_grace(
 
     def stream() -> None:
         try:
-            with httpx.stream("POST", url + "/api/generate", json=generate_body(3000, stream=True), timeout=120) as r:
+            with httpx.stream("POST", url + "/api/generate", json=generate_body(1500, stream=True), timeout=120) as r:
                 assert r.status_code == 200
                 pending = b""
                 for chunk in r.iter_bytes():  # split on newlines only (iter_lines splits on U+2028 too)
@@ -195,10 +196,11 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones_after_the_grace(
         t.join(120)
     assert slow_answer[0].status_code == 200 and slow_answer[0].json()["done"] is True
     assert not stream_error, f"{stream_error} after {len(stream_lines)} lines; the log:\n{d.log.read_text()[-3000:]}"
-    assert stream_lines[-1]["done"] is True and stream_lines[-1]["eval_count"] == 3000
+    assert stream_lines[-1]["done"] is True and stream_lines[-1]["eval_count"] == 1500
     assert d.proc.wait(60) == 0
     log = d.log.read_text()
-    assert "SIGTERM: draining" in log and "drained: no request in flight" in log
+    assert "SIGTERM: draining instance=" in log and " in_flight=2 " in log  # both were in flight
+    assert "drained: no request in flight" in log
 
 
 def test_sigterm_with_nothing_to_wait_for_stops_at_once_and_the_drain_is_bounded(
