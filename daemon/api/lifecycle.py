@@ -228,36 +228,54 @@ def ready(request: Request) -> JSONResponse:
 # -- preloads ----------------------------------------------------------------------------------------------------
 async def run_preloads(state: Any, names: tuple[str, ...], *, pull: bool) -> None:
     """CORRAL_PRELOAD: each model in turn (pulled first if missing and ``pull``), loaded as ``/api/generate`` with an
-    empty prompt does (default options and keep-alive). Readiness follows ``state.lifecycle.preloads``."""
+    empty prompt does (default options and keep-alive). A model whose pull failed does not hold up the others: the
+    failed ones are tried again after the others, after 1, 2, 4... seconds (at most ``PULL_RETRY_MAX``). Readiness
+    follows ``state.lifecycle.preloads``."""
     life: Lifecycle = state.lifecycle
     for name in names:
         life.preloads.setdefault(name, "waiting")
-    for name in names:
-        await _preload_one(state, life, name, pull=pull)
-
-
-async def _preload_one(state: Any, life: Lifecycle, name: str, *, pull: bool) -> None:
-    inference = state.inference
+    pending = list(dict.fromkeys(names))
     pause = PULL_RETRY_FIRST
+    while True:
+        again = [name for name in pending if await _preload_one(state, life, name, pull=pull)]
+        if not again:
+            return
+        for name in again:
+            log.warning(
+                "CORRAL_PRELOAD: cannot pull model=%s: %s; trying again in %gs", name, life.errors.get(name), pause
+            )
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, PULL_RETRY_MAX)
+        pending = again
+
+
+async def _preload_one(state: Any, life: Lifecycle, name: str, *, pull: bool) -> bool:
+    """Look the model up (pulling it if missing and ``pull``), then load it. True: its pull failed, try again."""
+    inference = state.inference
+    pulled = False
     while True:
         try:
             ctx = await inference.lookup(name)
             break
         except ModelNotFound as exc:
             if not pull:
-                return _failed(life, name, f"{exc} (set CORRAL_PRELOAD_PULL=1 to pull it from its registry)")
+                _failed(life, name, f"{exc} (set CORRAL_PRELOAD_PULL=1 to pull it from its registry)")
+                return False
+            if pulled:  # pulled, and still not found under that name
+                _failed(life, name, f"{exc} after pulling it")
+                return False
         except Exception as exc:  # noqa: BLE001 - a bad name never stops the daemon
-            return _failed(life, name, str(exc))
+            _failed(life, name, str(exc))
+            return False
         life.preloads[name] = "pulling"
         try:
             await _pull(state, name)
-            log.info("CORRAL_PRELOAD: pulled model=%s from its registry", name)
-            life.errors.pop(name, None)
         except Exception as exc:  # noqa: BLE001 - the registry may come up later: try again
             life.errors[name] = f"pull failed: {exc}"
-            log.warning("CORRAL_PRELOAD: cannot pull model=%s: %s; trying again in %gs", name, exc, pause)
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, PULL_RETRY_MAX)
+            return True
+        pulled = True
+        life.errors.pop(name, None)
+        log.info("CORRAL_PRELOAD: pulled model=%s from its registry", name)
     life.preloads[name] = "loading"
     try:
         embedding = "completion" not in ctx.capabilities and "embedding" in ctx.capabilities
@@ -265,10 +283,12 @@ async def _preload_one(state: Any, life: Lifecycle, name: str, *, pull: bool) ->
         lease = await inference.acquire(ctx, spec, None)
         lease.release()
     except Exception as exc:  # noqa: BLE001 - a failed load never stops the daemon
-        return _failed(life, name, str(exc))
+        _failed(life, name, str(exc))
+        return False
     life.preloads[name] = "ready"
     life.errors.pop(name, None)
     log.info("preloaded model=%s (CORRAL_PRELOAD)", ctx.name.short())
+    return False
 
 
 def _failed(life: Lifecycle, name: str, why: str) -> None:

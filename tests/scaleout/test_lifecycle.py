@@ -72,17 +72,19 @@ def test_missing_preload_without_pull_is_not_ready(tmp_path: Path) -> None:
 
 
 def test_preload_pull_waits_for_the_registry_then_loads(tmp_path: Path) -> None:
-    """The model is not in the registry when the replica starts (a compose file starts both at once): readiness says
-    so and the pull is tried again until the model is there, then it is loaded and the replica is ready."""
+    """One model is not in the registry when the replica starts (a compose file starts both at once): readiness says
+    so and its pull is tried again until the model is there, then it is loaded and the replica is ready; meanwhile
+    the other preload, which the registry has, is pulled and loaded (a failing pull holds up no other)."""
     if not Path(DOCKER_REGISTRY).is_file():
         pytest.skip("docker-registry is not installed (apt-get install docker-registry)")
     registry = start_registry(tmp_path / "registry")
-    name = f"http://{registry.host}/test/tiny:v1"
+    late = f"http://{registry.host}/test/tiny:v1"
+    there = f"http://{registry.host}/test/tiny:v0"
+    put_model(registry.url, "test/tiny", "v0", write_tiny_gguf(tmp_path / "v0.gguf", seed=1).read_bytes())
     d: Daemon | None = None
     try:
-        d = start_daemon(
-            tmp_path / "models", tmp_path / "d.log", {"CORRAL_PRELOAD": name, "CORRAL_PRELOAD_PULL": "true"}
-        )
+        env = {"CORRAL_PRELOAD": f"{late},{there}", "CORRAL_PRELOAD_PULL": "true"}
+        d = start_daemon(tmp_path / "models", tmp_path / "d.log", env)
         url = d.url
 
         def state() -> dict[str, Any]:
@@ -91,17 +93,19 @@ def test_preload_pull_waits_for_the_registry_then_loads(tmp_path: Path) -> None:
             assert (r.status_code == 200) == (body["status"] == "ready")
             return body
 
-        wait_for("a failed pull", lambda: "pull failed" in state()["preload"][name].get("error", ""), timeout=30)
+        wait_for("a failed pull", lambda: "pull failed" in state()["preload"][late].get("error", ""), timeout=30)
+        wait_for("the other preload", lambda: state()["preload"][there] == {"state": "ready"}, timeout=60)
         body = state()
-        assert body["status"] == "preloading" and body["preload"][name]["state"] in ("pulling", "waiting")
+        assert body["status"] == "preloading" and body["preload"][late]["state"] == "pulling"
+        assert late in body["reason"]
         put_model(registry.url, "test/tiny", "v1", write_tiny_gguf(tmp_path / "tiny.gguf").read_bytes())
         wait_for("the replica to be ready", lambda: state()["status"] == "ready", timeout=60, every=0.25)
-        assert state()["preload"] == {name: {"state": "ready"}}
+        assert state()["preload"] == {late: {"state": "ready"}, there: {"state": "ready"}}
         ps = httpx.get(url + "/api/ps").json()["models"]
-        assert [m["name"] for m in ps] == [f"{registry.host}/test/tiny:v1"]
+        assert sorted(m["name"] for m in ps) == [f"{registry.host}/test/tiny:v0", f"{registry.host}/test/tiny:v1"]
         log = d.log.read_text()
-        assert f"CORRAL_PRELOAD: cannot pull model={name}" in log and "trying again" in log
-        assert f"CORRAL_PRELOAD: pulled model={name}" in log
+        assert f"CORRAL_PRELOAD: cannot pull model={late}" in log and "trying again" in log
+        assert f"CORRAL_PRELOAD: pulled model={late}" in log
     finally:
         if d is not None:
             stop_daemon(d)
