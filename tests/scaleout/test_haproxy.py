@@ -271,6 +271,48 @@ def test_kill_9_mid_load_loses_no_request_and_the_replica_is_taken_back(cluster:
     assert after == {s: victim.name for s in own}  # its conversations came back to it
 
 
+def test_a_full_replica_sends_requests_elsewhere(cluster: Cluster) -> None:
+    """A replica whose queue is full answers 503 with Retry-After; HAProxy retries those requests on the others."""
+    full = cluster.replicas["r3"]
+    sessions = [f"conversation-{i}" for i in range(20)]
+    session = next(s for s, name in where(cluster, sessions).items() if name == full.name)
+    full.stop()
+    saved = dict(full.env)
+    full.env.update({"CORRAL_NUM_PARALLEL": "1", "CORRAL_MAX_QUEUE": "1"})  # one served, one waiting, then 503
+    try:
+        full.start()
+        wait_for(f"{full.name} to be ready", full.ready, timeout=90, every=0.2)
+        cluster.balancer.wait_state(full.name, "UP", timeout=30)
+        start = threading.Barrier(12)
+
+        def ask(i: int) -> tuple[int, str]:
+            body = {
+                "model": cluster.model,
+                "messages": [{"role": "user", "content": f"burst {i}"}],
+                "stream": False,
+                "options": {"num_predict": 64},
+            }
+            with httpx.Client() as client:
+                start.wait(30)
+                r = client.post(
+                    cluster.balancer.url + "/api/chat", json=body, headers={"X-Corral-Session": session}, timeout=120
+                )
+            return r.status_code, r.headers.get("x-corral-instance", "")
+
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(ask, range(12)))
+        assert all(status == 200 for status, _ in answers), answers
+        by = Counter(name for _, name in answers)
+        assert by[full.name] >= 1 and sum(by.values()) > by[full.name], by  # some served there, some elsewhere
+        assert "path=/api/chat status=503" in full.text()
+    finally:
+        full.stop()
+        full.env.clear()
+        full.env.update(saved)
+        full.start()
+        cluster.ready_everywhere()
+
+
 def test_rolling_sigterm_restart_under_load_fails_no_request(cluster: Cluster) -> None:
     cluster.ready_everywhere()
     stop, count = threading.Event(), [0]
