@@ -174,6 +174,8 @@ _NESTED = re.compile(
     r"^(?:error loading model (?:architecture|hyperparameters|vocabulary|tensors)|check_tensor_dims"
     r"|create_tensor): "
 )
+# what llama.cpp's RPC client says before it aborts the process on a server that stopped answering
+_RPC_LOST = re.compile(r"Remote RPC server crashed or returned malformed response|Failed to connect to \S+:\d+")
 TAIL_LINES = 20  # stderr lines written to the daemon log when a runner fails
 
 
@@ -251,6 +253,7 @@ class ProcessRunner:
         self._stderr_logged = False
         self._kv_disk: KVDiskInfo | None = None  # the prompt cache on disk, as the last SlotsReply had it
         self.rpc: RpcLoad | None = None  # this load's llama.cpp RPC servers (issue 30), as /api/ps shows them
+        self._rpc_lost = False  # llama.cpp said an RPC server stopped answering (it aborts the runner then)
 
     # -- Runner protocol -------------------------------------------------------------------------------------------
     @property
@@ -326,6 +329,11 @@ class ProcessRunner:
                 f"could not load {self.spec.model_path} ({describe_exit(code)}): {msg.message or 'the runner exited'}",
                 list(msg.log_lines),
             )
+            if self._rpc_lost:  # not a fault of this machine's kernels: no safer configuration is learnt from it
+                raise LoadFailed(
+                    f"llama runner process has terminated: an RPC server ({', '.join(self.spec.rpc_servers)}) "
+                    "stopped answering while the model loaded; the next load leaves out a server that does not answer"
+                )
             if sig is not None:
                 stage = "warm-up" if self._stage == "warm-up" else "load"
                 raise LoadFailed(
@@ -534,6 +542,12 @@ class ProcessRunner:
         which goes to the daemon log."""
         code = self._proc.returncode if self._proc else None
         self._log_stderr(f"stopped unexpectedly ({describe_exit(code)})")
+        if self._rpc_lost:  # llama.cpp aborts on a lost RPC server: not a native fault (no signal, no fallback)
+            return RunnerCrashed(
+                f"the model runner lost an RPC server ({', '.join(self.spec.rpc_servers)}); the model will be loaded "
+                "again on the next request, without a server that does not answer",
+                early=not self._decoded,
+            )
         return RunnerCrashed(
             f"the model runner stopped unexpectedly ({describe_exit(code)}); the model will be loaded again on the "
             "next request",
@@ -615,4 +629,6 @@ class ProcessRunner:
             text = line.decode("utf-8", errors="replace").rstrip()
             self._progress_at = asyncio.get_running_loop().time()
             self._stderr.append(text)
+            if self.rpc is not None and _RPC_LOST.search(text):
+                self._rpc_lost = True
             self._log.debug("runner pid=%s: %s", self._proc.pid, text)

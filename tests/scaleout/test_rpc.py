@@ -453,3 +453,35 @@ async def test_an_embedding_runner_over_two_rpc_servers_gives_the_local_vectors(
             await r.close()
     assert r.rpc is not None and set(r.rpc.bytes) == set(servers.endpoints)
     assert vectors[0] == pytest.approx(vectors[1], abs=1e-6)
+
+
+@pytest.mark.anyio
+async def test_a_server_lost_while_serving_ends_the_runner_without_a_native_fault(
+    build: Build, servers: Servers, tmp_path: Path
+) -> None:
+    """llama.cpp aborts a process whose RPC server stops answering: the request gets an error naming the servers,
+    not a native crash (no signal, so no safer configuration is learnt from it), and the next load leaves the dead
+    server out."""
+    from daemon.runners.base import RunnerCrashed
+
+    model = write_tiny_gguf(tmp_path / "tiny.gguf", n_layer=4)
+    spec = LoadSpec(
+        model_path=str(model), num_ctx=256, num_gpu=5, rpc_servers=tuple(servers.endpoints), tensor_split=(0.5, 0.5)
+    )
+    env = {**_env(build), "GGML_NO_BACKTRACE": "1"}  # no gdb backtrace of the abort (seconds)
+    r = ProcessRunner(spec, env=env)
+    await r.start()
+    try:
+        servers.stop(1)
+        with pytest.raises(RunnerCrashed, match="lost an RPC server") as info:
+            async for _ev in r.generate(GenerateRequest(prompt="a b c", params=GREEDY)):
+                pass
+        assert info.value.signal is None and servers.endpoints[1] in str(info.value)
+    finally:
+        await r.close()
+    again = ProcessRunner(spec, env=env)
+    await again.start()
+    try:
+        assert again.rpc is not None and again.rpc.servers == (servers.endpoints[0],)
+    finally:
+        await again.close()
