@@ -135,27 +135,38 @@ def run_config(tmp: Path, count: int, num_thread: int | None, args: argparse.Nam
 
 
 def render(rows: list[tuple[str, float, int, int]], args: argparse.Namespace, load: tuple[float, float]) -> str:
-    base = rows[0][1]
+    """The markdown section. Each three-replica row is compared with the one-daemon row of the same threads."""
+    one = {name.endswith("num_thread 1"): tps for name, tps, _, _ in rows if name.startswith("one daemon")}
     lines = [
         SECTION,
         "",
         f"Command: `.venv/bin/python bench/scaleout.py --seconds {args.seconds:g} --streams {args.streams} "
         f"--tokens {args.tokens}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, load average "
-        f"{load[0]:.1f} before and {load[1]:.1f} after: other sessions' work shared the machine). SmolLM2-135M "
-        f"Q8_0, greedy `/api/chat`, {args.streams} client threads, each its own `X-Corral-Session`.",
+        f"{load[0]:.1f} before and {load[1]:.1f} after). SmolLM2-135M-Instruct, greedy `/api/chat`, "
+        f"{args.streams} client threads, each its own `X-Corral-Session`.",
         "",
-        "| configuration | aggregate tok/s | vs one daemon | requests | failed |",
+        "| configuration | aggregate tok/s | vs one daemon, same threads | requests | failed |",
         "|---|---:|---:|---:|---:|",
     ]
     for name, tps, done, failed in rows:
+        base = one.get(name.endswith("num_thread 1")) or tps
         lines.append(f"| {name} | {tps:.1f} | {tps / base:.2f}x | {done} | {failed} |")
+    busy = load[0] > 2 * (os.cpu_count() or 1)
     lines += [
         "",
-        "Replicas on one 2-core host do not add speed (expected: one daemon already batches all streams into one "
-        "`llama_decode` a step, and three replicas split the same two cores); with llama.cpp's default threads "
-        "each replica's threads wait on each other's, so set `num_thread` to cores / replicas when replicas share "
-        "a host. What replicas buy is more hosts, zero failed requests through a rolling restart and a replica "
-        "killed mid-load (tests/scaleout/test_haproxy.py), and conversations kept on the replica that caches them.",
+        "Replicas on one 2-core host add no speed (expected: one daemon already batches every stream into one "
+        "`llama_decode` a step, and three replicas split the same cores). "
+        + (
+            "This run shared the machine with other sessions' work (the load average above): llama.cpp's default "
+            "threads (one per core) spin while they wait for each other, and on a machine busier than its cores "
+            "that costs several times over, in one daemon as in three; with `num_thread 1` the comparison is "
+            "the one to read. "
+            if busy
+            else ""
+        )
+        + "Set `num_thread` to cores / replicas when replicas share a host. What replicas buy is more hosts, no "
+        "failed request through a rolling restart or a replica killed mid-load (tests/scaleout/test_haproxy.py), "
+        "and conversations kept on the replica that caches them.",
         "",
     ]
     return "\n".join(lines)
