@@ -23,6 +23,7 @@ from daemon.api.security import ASGIApp, Receive, Scope, Send
 log = logging.getLogger("daemon.access")
 
 ENDPOINTS = ("/api/", "/v1/")
+PROBES = frozenset({"/health", "/health/ready"})  # liveness and readiness checks (daemon/api/lifecycle.py)
 
 
 class Metrics:
@@ -105,7 +106,7 @@ def endpoint_of(path: str) -> str:
         return "/api/blobs"
     if path.startswith("/v1/models/"):
         return "/v1/models/{model}"
-    if path.startswith(ENDPOINTS) or path in ("/", "/metrics", "/health"):
+    if path.startswith(ENDPOINTS) or path in ("/", "/metrics", "/health", "/health/ready"):
         return path
     return "other"
 
@@ -159,7 +160,11 @@ class Observe:
             )
             if "prompt" in info:
                 extra += f" prompt={info['prompt']!r}"
-            log.info(
+            # a balancer's or orchestrator's health checks come every second or so: logged when they fail, and
+            # with CORRAL_DEBUG when they pass
+            quiet = scope["path"] in PROBES and info["status"] == 200
+            log.log(
+                logging.DEBUG if quiet else logging.INFO,
                 "request method=%s path=%s status=%s%s duration=%.3fs",
                 logs.quote(scope["method"]),
                 logs.quote(scope["path"]),
