@@ -213,7 +213,8 @@ def info_lines(data: dict[str, Any]) -> list[str]:
     """``corral info``: the CPU and its instruction sets, RAM, llama.cpp's backends and devices, the GPUs it can
     offload to, the budgets, and the settings in force."""
     hw, budgets = data.get("hardware") or {}, data.get("budgets") or {}
-    rows: list[list[str]] = [
+    rows: list[list[str]] = [["Instance", str(data["instance"])]] if data.get("instance") else []  # CORRAL_INSTANCE
+    rows += [
         ["CPU", f"{hw.get('physical_cores', '?')} physical cores, {hw.get('logical_cores', '?')} logical"],
         ["CPU features", " ".join(hw.get("cpu_features") or []) or "unknown (llama.cpp was not asked)"],
         [

@@ -39,6 +39,8 @@ def test_readiness_instance_metrics_and_logs(tmp_path: Path) -> None:
         assert httpx.get(d.url + "/api/info", headers=key).json()["instance"] == "replica-7"
         metrics = httpx.get(d.url + "/metrics", headers=key).text
         assert 'corral_info{corral_instance="replica-7",version="' in metrics
+        shown = d.cli("info")
+        assert shown.returncode == 0 and shown.stdout.splitlines()[0].split() == ["Instance", "replica-7"], shown
     finally:
         stop_daemon(d)
     lines = d.log.read_text().splitlines()
