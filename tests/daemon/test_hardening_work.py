@@ -69,7 +69,9 @@ def test_admission_counts_the_runners_backlog_and_answers_503(tmp_path: Path) ->
     )
     try:
         create_endless(d, tmp_path)
-        opts = {**ENDLESS, "num_predict": 400}
+        # long enough that the running one cannot end while the eight arrive (under a loaded suite, ~0.4 s for 400
+        # tokens let a fourth in once)
+        opts = {**ENDLESS, "num_predict": 1500, "num_ctx": 2048}
 
         def one(_: int) -> httpx.Response:
             return httpx.post(
