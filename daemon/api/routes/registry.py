@@ -76,19 +76,25 @@ async def pull(request: Request) -> Response:
     note(model=req.model_name)
     if not req.model_name:
         raise InvalidRequest("model is required")
+    puller = _puller(request)
+    it = await run_in_threadpool(lambda: puller.run(req.model_name, insecure=req.insecure))
+    return await progress_response(it, stream=req.stream)
+
+
+def _puller(request: Request, **kw: Any) -> Puller:
+    """A Puller into the daemon's store, with its downloads, lock, prune setting, registry auth and byte counter."""
     app = request.app.state
     catalog: Catalog = app.catalog
     metrics = getattr(app, "metrics", None)
-    puller = Puller(
+    return Puller(
         catalog.store,
         downloads(request),
         catalog.lock,
         prune=not app.settings.noprune,
         auth_files=_auth_files(app.settings),
         on_bytes=metrics.pulled_bytes.inc if metrics is not None else None,
+        **kw,
     )
-    it = await run_in_threadpool(lambda: puller.run(req.model_name, insecure=req.insecure))
-    return await progress_response(it, stream=req.stream)
 
 
 def pull_jobs(request: Request) -> PullJobs:
@@ -112,18 +118,7 @@ async def start_pull_job(request: Request) -> dict[str, Any]:
     note(model=req.model_name)
     if not req.model_name:
         raise InvalidRequest("model is required")
-    app = request.app.state
-    catalog: Catalog = app.catalog
-    metrics = getattr(app, "metrics", None)
-    puller = Puller(
-        catalog.store,
-        downloads(request),
-        catalog.lock,
-        prune=not app.settings.noprune,
-        auth_files=_auth_files(app.settings),
-        on_bytes=metrics.pulled_bytes.inc if metrics is not None else None,
-        interval=0.25,
-    )
+    puller = _puller(request, interval=0.25)
     name = req.model_name
     table = pull_jobs(request)
     job = await run_in_threadpool(table.start, name, req.insecure, lambda: puller.run(name, insecure=req.insecure))
