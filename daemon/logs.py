@@ -41,6 +41,15 @@ def note(**fields: Any) -> None:
         info.update(fields)
 
 
+def note_sum(**counts: int) -> None:
+    """Add counts to the current request's facts: a request that runs several generations (``n`` choices, a
+    thinking pass then a format pass) logs and counts the tokens of all of them."""
+    info = request_facts.get()
+    if info is not None:
+        for k, v in counts.items():
+            info[k] = info.get(k, 0) + v
+
+
 MAX_MESSAGE = 8 * 1024  # characters of a message (escaped) written; a request path can be 16 KiB
 MAX_TRACEBACK = 32 * 1024
 

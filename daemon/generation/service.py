@@ -25,7 +25,7 @@ from daemon.chat.types import Content, Event, Finished, Message, Thinking, Think
 from daemon.generation.calls import Call, ChatCall, GenerateCall
 from daemon.generation.fitting import log_prompt_cut, render_chat
 from daemon.generation.inference import Inference, ModelContext, keep_alive_value
-from daemon.logs import note
+from daemon.logs import note, note_sum
 from daemon.runners.base import Done, GenerateRequest, LoadSpec, RunnerCrashed, SampleParams, Token, Truncated
 from daemon.scheduling.scheduler import Lease
 from daemon.templates import prompt as prompts
@@ -113,12 +113,12 @@ def _finished(
         model=lease.ref.name,
         prompt_eval_count=done.prompt_eval_count,
         prompt_cached=done.prompt_cached,
-        eval_count=done.eval_count,
-        eval_duration=done.eval_duration,
         ttft=lease.load_duration + done.prompt_eval_duration / 1e9,
     )
+    # summed over the request's generations (n choices share one prompt: its counts are noted once, not summed)
+    note_sum(eval_count=done.eval_count, eval_duration=done.eval_duration)
     if drafted:
-        note(draft_n=done.draft_n, draft_n_accepted=done.draft_n_accepted)
+        note_sum(draft_n=done.draft_n, draft_n_accepted=done.draft_n_accepted)
     return Finished(
         done_reason=done.done_reason,
         prompt_eval_count=done.prompt_eval_count,

@@ -43,3 +43,24 @@ def test_metrics_count_tokens_and_log_lines(daemon: Daemon, tiny_gguf: Path) -> 
     assert f"prompt_eval_count={body['prompt_eval_count']} prompt_cached=" in line
     assert re.search(r'^corral_prompt_cached_tokens_total\{model="t:latest"\} [\d.]+$', text, re.M)
     assert "a b c" not in log  # prompts are not logged
+
+
+def test_n_choices_count_every_choices_tokens(daemon: Daemon, tiny_gguf: Path) -> None:
+    """/v1 with n > 1: the log line and corral_generated_tokens_total count the tokens of all choices (not the last
+    choice's), and the prompt, evaluated once for all of them, once."""
+    data = tiny_gguf.read_bytes()
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    with httpx.Client(base_url=daemon.url, timeout=60) as h:
+        h.post(f"/api/blobs/{digest}", content=data)
+        h.post("/api/create", json={"model": "n", "files": {"n.gguf": digest}, "stream": False})
+        r = h.post(
+            "/v1/completions",
+            json={"model": "n", "prompt": "a b c", "n": 3, "max_tokens": 4, "temperature": 0.8, "seed": 5},
+        )
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        text = h.get("/metrics").text
+    generated = re.search(r'^corral_generated_tokens_total\{model="n:latest"\} ([\d.]+)$', text, re.M)
+    assert generated and float(generated.group(1)) == usage["completion_tokens"]
+    line = [ln for ln in daemon.log.read_text().splitlines() if "path=/v1/completions" in ln][0]
+    assert f"eval_count={usage['completion_tokens']}" in line
