@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from modelfile.params import OptionValue, is_deprecated
 
@@ -148,6 +148,25 @@ class Modelfile:
     @property
     def messages(self) -> tuple[Message, ...]:
         return tuple(i for i in self.instructions if isinstance(i, Message))
+
+    def create_fields(self) -> dict[str, Any]:
+        """What this Modelfile gives an ``/api/create`` body besides its files: template, system, parameters,
+        messages, license, requires, renderer and parser, each only when given."""
+        body: dict[str, Any] = {}
+        if self.template is not None:
+            body["template"] = self.template
+        if self.system is not None:
+            body["system"] = self.system
+        if self.parameters:
+            body["parameters"] = dict(self.parameters)
+        if self.messages:
+            body["messages"] = [{"role": m.role, "content": m.content} for m in self.messages]
+        if self.licenses:
+            body["license"] = list(self.licenses)
+        for key, given in (("requires", self.requires), ("renderer", self.renderer), ("parser", self.parser)):
+            if given:
+                body[key] = given
+        return body
 
     @property
     def parameters(self) -> dict[str, OptionValue]:

@@ -110,20 +110,7 @@ def build_request(name: str, source: ModelfileSource, client: DaemonClient) -> d
         payload["files"] = files_map(model_paths, digests)
     if adapter_paths:
         payload["adapters"] = files_map(adapter_paths, digests)
-    if mf.template is not None:
-        payload["template"] = mf.template
-    if mf.system is not None:
-        payload["system"] = mf.system
-    if mf.parameters:
-        payload["parameters"] = dict(mf.parameters)
-    if mf.messages:
-        payload["messages"] = [{"role": m.role, "content": m.content} for m in mf.messages]
-    if mf.licenses:
-        payload["license"] = list(mf.licenses)
-    for key in ("requires", "renderer", "parser"):
-        given = getattr(mf, key, None)
-        if given:
-            payload[key] = given
+    payload.update(mf.create_fields())
     return payload
 
 

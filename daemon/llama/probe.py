@@ -76,6 +76,18 @@ class _Props(ctypes.Structure):
     ]
 
 
+def bind(libs: list[Any], name: str, restype: Any, argtypes: list[Any]) -> Any:
+    """The C function ``name`` from the first of ``libs`` that exports it, typed; None when none does."""
+    for lib in libs:
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            continue
+        fn.restype, fn.argtypes = restype, argtypes
+        return fn
+    return None
+
+
 class _Ggml:
     """The ggml backend-registry functions, bound with ctypes on the libraries llama-cpp-python loaded (the
     registry enumeration lives in libggml, the device accessors in libggml-base; a dlsym on libggml's handle
@@ -117,16 +129,10 @@ class _Ggml:
         self.load_all = self._bind("ggml_backend_load_all", None, [], True)
 
     def _bind(self, name: str, restype: Any, argtypes: list[Any], optional: bool = False) -> Any:
-        for lib in self._libs:
-            try:
-                fn = getattr(lib, name)
-            except AttributeError:
-                continue
-            fn.restype, fn.argtypes = restype, argtypes
-            return fn
-        if optional:
-            return None
-        raise RuntimeError(f"{name} is not exported by the llama.cpp libraries llama-cpp-python loaded")
+        fn = bind(self._libs, name, restype, argtypes)
+        if fn is None and not optional:
+            raise RuntimeError(f"{name} is not exported by the llama.cpp libraries llama-cpp-python loaded")
+        return fn
 
     def ensure_loaded(self) -> bool:
         """Builds with dynamically loaded backends (GGML_BACKEND_DL) register nothing until asked, as

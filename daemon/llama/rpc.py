@@ -16,6 +16,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from daemon.llama.probe import bind
 from daemon.runners.protocol import LoadSpec
 
 
@@ -46,14 +47,10 @@ class _Ggml:
         self.reg_dev_count = self._bind("ggml_backend_reg_dev_count", sz, [vp])
 
     def _bind(self, name: str, restype: Any, argtypes: list[Any]) -> Any:
-        for lib in self._libs:
-            try:
-                fn = getattr(lib, name)
-            except AttributeError:
-                continue
-            fn.restype, fn.argtypes = restype, argtypes
-            return fn
-        raise RpcUnavailable(f"{name} is not exported by the llama.cpp libraries in {self.lib_dir}")
+        fn = bind(self._libs, name, restype, argtypes)
+        if fn is None:
+            raise RpcUnavailable(f"{name} is not exported by the llama.cpp libraries in {self.lib_dir}")
+        return fn
 
 
 _ADD_SERVER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)

@@ -119,23 +119,9 @@ async def parse_modelfile(request: Request) -> dict[str, Any]:
 
     req = await read_model(request, ModelfileText)
     mf = parse(req.modelfile, filename=req.filename or "Modelfile")
-    body: dict[str, Any] = {}
-    if mf.template is not None:
-        body["template"] = mf.template
-    if mf.system is not None:
-        body["system"] = mf.system
-    if mf.parameters:
-        body["parameters"] = dict(mf.parameters)
-    if mf.messages:
-        body["messages"] = [{"role": m.role, "content": m.content} for m in mf.messages]
-    if mf.licenses:
-        body["license"] = list(mf.licenses)
-    for key in ("requires", "renderer", "parser"):
-        given = getattr(mf, key, None)
-        if given:
-            body[key] = given
+    body = mf.create_fields()
     warnings = [f"parameter {p} is deprecated" for p in mf.deprecated_parameters]
-    if getattr(mf, "drafts", ()):
+    if mf.drafts:
         warnings.append(
             "DRAFT is not supported by corral and is ignored; name a draft model with PARAMETER draft_model"
         )
