@@ -952,7 +952,15 @@ class Engine:
 
     def _pick(self, free: list[Slot], prompt: list[int], adapters: AdapterSet = ()) -> Slot:
         """The free slot for a new request: the one whose cached tokens share the longest prefix with its prompt;
-        among equals, one next to busy slots, then the least recently used.
+        among equals, one that loses nothing (empty, or holding a prefix of the prompt), then one next to busy
+        slots, then the least recently used.
+
+        A slot's prefix counts only when it is at least what taking the slot would overwrite: a conversation's own
+        slot (its history, then the last answer) always, but not another conversation's slot for the few tokens of
+        the template they both start with, nor for a shared system prompt while a free slot holds less (the prefix
+        is copied into that slot from the other, ``_place``, and the other conversation keeps its history). Taking
+        the longest match whatever it held made concurrent conversations with one opening take each other's slots
+        and come back to nothing cached.
 
         llama.cpp runs a batch over several KV streams in passes (ubatches) of consecutive sequence ids only, so
         busy slots 0, 5 and 9 cost three passes over the weights each step where 0, 1 and 2 cost one (~4.5 ms a
@@ -962,11 +970,12 @@ class Engine:
         slots = self.slots
         last = len(slots) - 1
 
-        def score(s: Slot) -> tuple[int, int, float]:
+        def score(s: Slot) -> tuple[int, bool, int, float]:
             i = s.seq_id
             near = (i > 0 and slots[i - 1].seq is not None) + (i < last and slots[i + 1].seq is not None)
             shared = common_prefix(s.tokens, prompt) if s.adapters == adapters else 0
-            return shared, near, -s.last_used
+            lost = len(s.tokens) - shared
+            return (shared if shared >= lost else 0), not lost, near, -s.last_used
 
         return max(free, key=score)
 

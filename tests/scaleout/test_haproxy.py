@@ -190,8 +190,10 @@ def test_every_replica_pulls_and_conversations_stick_to_their_replica(cluster: C
     conversations = [Conversation(cluster.balancer.url, cluster.model, f"conversation-{i}") for i in range(20)]
 
     def talk(conv: Conversation) -> list[Turn]:
+        # each conversation its own words, as users' are: twenty copies of one conversation would share every
+        # prefix, and a copy may rightly take another's slot (its cache is as good), leaving that one to start over
         with httpx.Client() as client:
-            return [conv.turn(client, f"{n}") for n in range(10)]
+            return [conv.turn(client, f"{conv.session} says {n}") for n in range(10)]
 
     with ThreadPoolExecutor(6) as pool:
         results = list(pool.map(talk, conversations))
