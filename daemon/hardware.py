@@ -21,6 +21,15 @@ SYCL, or CUDA without NVML) takes the cached number when it is under a minute ol
 Nothing here fails: a probe that times out or crashes, no NVIDIA driver or no NVML simply means CPU only, with the
 reason recorded.
 
+Containers: psutil reports the host's RAM and cores, not a container's (a Kubernetes pod limited to 8 GiB on a
+128 GiB node would budget ~115 GiB and be OOM-killed; one limited to 2 CPUs would start llama.cpp with a thread per
+host core). :func:`read_cgroup_limits` reads the process's cgroups, v2 and v1, its own and every ancestor's (a limit
+on a parent slice applies): the memory limit caps the total RAM, the limit less what the cgroup uses (less the page
+cache it can drop) caps the available RAM, here and in :meth:`SystemMemoryProbe.free_ram`; the CPU quota (rounded
+up) and the CPU affinity cap the core counts, here and in :func:`effective_cpus` (a runner's thread count when no
+``num_thread`` is given). :attr:`Hardware.limits` names what lowered what (``/api/info`` and the startup log's
+``limits`` line). No cgroup files (macOS, Windows) or unreadable ones mean no limits.
+
 Unified memory: where the GPU's memory is the system's RAM (Apple Silicon's Metal GPU, and integrated GPUs, which
 llama.cpp lists with the IGPU device type: Vulkan UMA, Jetson and GB10 CUDA, AMD APUs), RAM and VRAM are one memory.
 Ollama treats these GPUs as integrated and counts the smaller of the GPU's and the system's free memory
@@ -34,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import re
@@ -128,6 +138,9 @@ class Hardware:
     probe: str = ""  # the llama.cpp probe: "ran", "cached 12s ago", "failed: ...", "not run"
     visible_devices: tuple[tuple[str, str | None], ...] = ()  # the VISIBLE_ENV variables that are set
     unified_memory: bool = False  # the usable GPUs' memory is the system's RAM (see the module docstring)
+    # what lowered the RAM or CPU numbers above below the machine's (container limits, CPU affinity), one
+    # human line each; empty when nothing did (see "container limits" below)
+    limits: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -136,6 +149,7 @@ class Hardware:
         out["backends"] = list(self.backends)
         out["cpu_features"] = list(self.cpu_features)
         out["visible_devices"] = dict(self.visible_devices)
+        out["limits"] = list(self.limits)
         return out
 
 
@@ -362,6 +376,228 @@ def _write_cache(path: Path, key: dict[str, Any], probe: dict[str, Any]) -> None
         log.debug("hardware cache not written: %s", exc)
 
 
+# -- container limits ------------------------------------------------------------------------------------------
+CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_CGROUP = "/proc/self/cgroup"
+V1_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a huge number (PAGE_COUNTER_MAX pages, ~2**63)
+
+
+@dataclass(frozen=True)
+class CgroupLimits:
+    """The limits of this process's cgroups (its own and every ancestor up to the mount's root); None: none found.
+    ``*_source`` says which file set each (the smallest one wins)."""
+
+    memory_max: int | None = None  # bytes
+    memory_max_source: str = ""
+    memory_headroom: int | None = None  # the least of limit - (usage - inactive page cache) over the limited cgroups
+    memory_headroom_source: str = ""
+    cpu_quota: float | None = None  # CPUs (quota / period)
+    cpu_quota_source: str = ""
+
+
+def _read_small(path: Path) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read(1 << 16)
+    except (OSError, ValueError):
+        return None
+
+
+def _int_in(path: Path) -> int | None:
+    text = _read_small(path)
+    try:
+        return int(text.strip()) if text is not None else None
+    except ValueError:
+        return None
+
+
+def _stat_in(path: Path, *keys: str) -> int | None:
+    """The first of ``keys`` found in a ``memory.stat`` file ("key value" lines)."""
+    text = _read_small(path)
+    if text is None:
+        return None
+    values: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            values.setdefault(parts[0], parts[1])
+    for key in keys:
+        try:
+            return int(values[key])
+        except (KeyError, ValueError):
+            continue
+    return None
+
+
+def _cgroup_dirs(mount: Path, path: str) -> list[Path]:
+    """``mount``/``path`` and each of its ancestors up to ``mount`` itself, the process's own cgroup first. The mount
+    root is always there: in a container /proc/self/cgroup may name the host's path, which does not exist inside,
+    while the mount root is the container's own cgroup."""
+    parts = [p for p in path.strip().split("/") if p and p != "."]
+    if ".." in parts:  # a cgroup outside this namespace's root: only the root is ours to read
+        parts = []
+    return [mount.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+
+
+def _memory_of(directory: Path, v2: bool) -> tuple[int, int, str] | None:
+    """(limit, headroom, file name) of one cgroup directory, or None if it sets no memory limit."""
+    inactive_keys: tuple[str, ...]
+    if v2:
+        name, usage_name, inactive_keys = "memory.max", "memory.current", ("inactive_file",)
+    else:  # v1's total_ counts the sub-cgroups too, as its usage does
+        name, usage_name = "memory.limit_in_bytes", "memory.usage_in_bytes"
+        inactive_keys = ("total_inactive_file", "inactive_file")
+    limit = _int_in(directory / name)  # v2's "max" is no number: no limit
+    if limit is None or limit <= 0 or limit >= V1_UNLIMITED:
+        return None
+    usage = _int_in(directory / usage_name)
+    if usage is None or usage < 0:
+        return limit, limit, name
+    inactive = _stat_in(directory / "memory.stat", *inactive_keys) or 0
+    return limit, max(0, limit - max(0, usage - max(0, inactive))), name
+
+
+def _cpu_of(directory: Path, v2: bool) -> tuple[float, str] | None:
+    """(CPUs, file name) of one cgroup directory's CFS quota, or None if it sets none."""
+    if v2:
+        fields = (_read_small(directory / "cpu.max") or "").split()
+        if len(fields) != 2 or fields[0] == "max":
+            return None
+        try:
+            quota, period = int(fields[0]), int(fields[1])
+        except ValueError:
+            return None
+        name = "cpu.max"
+    else:
+        q, p = _int_in(directory / "cpu.cfs_quota_us"), _int_in(directory / "cpu.cfs_period_us")
+        if q is None or p is None:
+            return None
+        quota, period, name = q, p, "cpu.cfs_quota_us"
+    if quota <= 0 or period <= 0:  # -1: no quota
+        return None
+    return quota / period, name
+
+
+def read_cgroup_limits(cgroup_root: str | Path = CGROUP_ROOT, proc_cgroup: str | Path = PROC_CGROUP) -> CgroupLimits:
+    """This process's memory and CPU limits from its cgroups, v2 (``0::/path``) and v1 (``4:memory:/path``, the
+    ``memory`` and ``cpu``/``cpu,cpuacct`` controllers), each cgroup and its ancestors read; the smallest limit and
+    the smallest headroom win. Never raises: a missing, unreadable or garbled file sets no limit, and where there
+    are no cgroups (macOS, Windows, no /proc) there are no limits."""
+    root = Path(cgroup_root)
+    text = _read_small(Path(proc_cgroup))
+    if not text:
+        return CgroupLimits()
+    # (directories, v2?) per controller
+    memory_dirs: list[tuple[Path, bool]] = []
+    cpu_dirs: list[tuple[Path, bool]] = []
+    for line in text.splitlines():
+        fields = line.strip().split(":", 2)
+        if len(fields) != 3:
+            continue
+        hierarchy, controllers, path = fields
+        if hierarchy == "0" and controllers == "":
+            # hybrid systems mount v2 under unified/, beside the v1 controllers (usually with none of its own)
+            hybrid = not (root / "cgroup.controllers").exists() and (root / "unified").is_dir()
+            dirs = _cgroup_dirs(root / "unified" if hybrid else root, path)
+            memory_dirs += [(d, True) for d in dirs]
+            cpu_dirs += [(d, True) for d in dirs]
+            continue
+        names = controllers.split(",")
+        if "memory" in names:
+            memory_dirs += [(d, False) for d in _cgroup_dirs(root / "memory", path)]
+        if "cpu" in names:
+            candidates = [controllers, "cpu,cpuacct", "cpu", "cpuacct,cpu"]
+            mount = next((root / c for c in candidates if (root / c).is_dir()), root / controllers)
+            cpu_dirs += [(d, False) for d in _cgroup_dirs(mount, path)]
+    mem_max: tuple[int, str] | None = None
+    headroom: tuple[int, str] | None = None
+    for d, v2 in memory_dirs:
+        got = _memory_of(d, v2)
+        if got is None:
+            continue
+        limit, room, name = got
+        if mem_max is None or limit < mem_max[0]:
+            mem_max = (limit, f"{name} ({d})")
+        if headroom is None or room < headroom[0]:
+            headroom = (room, f"{name} ({d})")
+    cpu: tuple[float, str] | None = None
+    for d, v2 in cpu_dirs:
+        got_cpu = _cpu_of(d, v2)
+        if got_cpu is not None and (cpu is None or got_cpu[0] < cpu[0]):
+            cpu = (got_cpu[0], f"{got_cpu[1]} ({d})")
+    return CgroupLimits(
+        memory_max=mem_max[0] if mem_max else None,
+        memory_max_source=mem_max[1] if mem_max else "",
+        memory_headroom=headroom[0] if headroom else None,
+        memory_headroom_source=headroom[1] if headroom else "",
+        cpu_quota=cpu[0] if cpu else None,
+        cpu_quota_source=cpu[1] if cpu else "",
+    )
+
+
+def cpu_affinity() -> int | None:
+    """How many CPUs this process may run on (``taskset``, a cpuset), or None where the OS cannot say (macOS)."""
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    if getaffinity is None:
+        return None
+    try:
+        return len(getaffinity(0)) or None
+    except OSError:
+        return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def _capped_memory(total: int, available: int, lim: CgroupLimits) -> tuple[int, int, list[str]]:
+    """(total, available) RAM under the cgroup limits, and a line for each limit that lowered one."""
+    lines: list[str] = []
+    if lim.memory_max is not None and lim.memory_max < total:
+        total = lim.memory_max
+        name, _, where = lim.memory_max_source.partition(" ")
+        lines.append(f"cgroup {name} {_gib(lim.memory_max)} {where}".rstrip())
+    if lim.memory_headroom is not None and lim.memory_headroom < available:
+        available = lim.memory_headroom
+        name, _, where = lim.memory_headroom_source.partition(" ")
+        lines.append(
+            f"cgroup memory free {_gib(available)} ({name} less the cgroup's usage, reclaimable page cache not "
+            f"counted) {where}".rstrip()
+        )
+    return total, max(0, available), lines
+
+
+def _capped_cores(physical: int, logical: int, lim: CgroupLimits, affinity: int | None) -> tuple[int, int, list[str]]:
+    """(physical, logical) cores under the CPU affinity and the cgroup CPU quota, and a line for each that lowered
+    the logical count."""
+    lines: list[str] = []
+    machine = logical
+    if affinity is not None and affinity < logical:
+        logical = affinity
+        lines.append(f"CPU affinity {affinity} of {machine}")
+    if lim.cpu_quota is not None and math.ceil(lim.cpu_quota) < logical:
+        logical = max(1, math.ceil(lim.cpu_quota))
+        name, _, where = lim.cpu_quota_source.partition(" ")
+        lines.append(f"{name} quota {lim.cpu_quota:.1f} CPUs {where}".rstrip())
+    return max(1, min(physical, logical)), max(1, logical), lines
+
+
+def effective_cpus(
+    logical: bool = False,
+    *,
+    cgroup_root: str | Path = CGROUP_ROOT,
+    proc_cgroup: str | Path = PROC_CGROUP,
+    affinity: Callable[[], int | None] = cpu_affinity,
+) -> int:
+    """The cores this process can really use: the machine's physical (or, ``logical=True``, logical) cores, no more
+    than the CPUs its affinity allows and its cgroup's CPU quota (rounded up), as :func:`detect` counts them. What
+    a runner starts llama.cpp with when no ``num_thread`` is given."""
+    n_logical = psutil.cpu_count(logical=True) or os.cpu_count() or 1
+    n_physical = psutil.cpu_count(logical=False) or n_logical
+    phys, logi, _ = _capped_cores(n_physical, n_logical, read_cgroup_limits(cgroup_root, proc_cgroup), affinity())
+    return logi if logical else phys
+
+
 # -- putting it together ---------------------------------------------------------------------------------------
 def _devices(probe: dict[str, Any], available_ram: int) -> tuple[Device, ...]:
     out: list[Device] = []
@@ -484,14 +720,23 @@ def detect(
     cache_dir: Path | None = None,
     use_cache: bool = True,
     system: tuple[str, str] | None = None,
+    cgroup_root: str | Path = CGROUP_ROOT,
+    proc_cgroup: str | Path = PROC_CGROUP,
+    affinity: Callable[[], int | None] = cpu_affinity,
 ) -> Hardware:
     """The machine as llama.cpp will see it. ``check_offload=False`` never starts the probe child (a cached answer
-    is still used). ``nvml``, ``probe``, ``cache_dir`` and ``system`` (``(sys.platform, platform.machine())``) can
-    be replaced (tests)."""
+    is still used). RAM and cores are the machine's as far as this process's cgroup limits and CPU affinity allow
+    (:func:`read_cgroup_limits`; :attr:`Hardware.limits` says what lowered them). ``nvml``, ``probe``,
+    ``cache_dir``, ``system`` (``(sys.platform, platform.machine())``), ``cgroup_root``, ``proc_cgroup`` and
+    ``affinity`` can be replaced (tests)."""
     env = os.environ if environ is None else environ
     vm = psutil.virtual_memory()
     logical = psutil.cpu_count(logical=True) or 1
     physical = psutil.cpu_count(logical=False) or logical
+    cgroup = read_cgroup_limits(cgroup_root, proc_cgroup)
+    total_ram, available_ram, limits = _capped_memory(int(vm.total), int(vm.available), cgroup)
+    physical, logical, cpu_limits = _capped_cores(physical, logical, cgroup, affinity())
+    limits += cpu_limits
     nv_all, nv_raw_reason = (nvml or read_nvml)()
     nv_gpus, nv_reason = _visible(nv_all, nv_raw_reason, env)
     hidden = _hidden(env)
@@ -517,7 +762,7 @@ def detect(
     elif data is None:
         source, failure = "not run", "llama.cpp was not asked (check_offload=False)"
 
-    devices = _devices(data, int(vm.available)) if data else ()
+    devices = _devices(data, available_ram) if data else ()
     gpus = _gpus(devices, nv_gpus, hidden, nv_all) if data else ()
     offload = bool(gpus) and bool(data and data.get("gpu_offload", True))
     reason = ""
@@ -549,8 +794,8 @@ def detect(
     return Hardware(
         physical_cores=physical,
         logical_cores=logical,
-        total_ram=int(vm.total),
-        available_ram=int(vm.available),
+        total_ram=total_ram,
+        available_ram=available_ram,
         gpus=gpus,
         gpu_offload=offload,
         gpu_reason=reason,
@@ -561,6 +806,7 @@ def detect(
         probe=source,
         visible_devices=tuple((k, env.get(k)) for k in VISIBLE_ENV if k in env),
         unified_memory=offload and any(shares_system_memory(g, system) for g in gpus),
+        limits=tuple(limits),
     )
 
 
@@ -571,19 +817,25 @@ class MemoryProbe(Protocol):
 
 
 class SystemMemoryProbe:
-    """Free memory now. VRAM: NVML's visible GPUs (CUDA_VISIBLE_DEVICES applied); given the detected hardware, its
-    usable GPUs, each with NVML's fresh number where NVML knows it and the detected one otherwise."""
+    """Free memory now. RAM: psutil's available RAM, no more than the headroom of this process's cgroups (read
+    afresh at each call: a few small files). VRAM: NVML's visible GPUs (CUDA_VISIBLE_DEVICES applied); given the
+    detected hardware, its usable GPUs, each with NVML's fresh number where NVML knows it and the detected one
+    otherwise."""
 
     def __init__(
         self,
         hardware: Hardware | None = None,
         environ: Mapping[str, str] | None = None,
         nvml: Callable[[], tuple[tuple[GPU, ...], str]] | None = None,
+        cgroup_root: str | Path = CGROUP_ROOT,
+        proc_cgroup: str | Path = PROC_CGROUP,
     ) -> None:
         self.hardware, self.environ, self.nvml = hardware, environ, nvml
+        self.cgroup_root, self.proc_cgroup = cgroup_root, proc_cgroup
 
     def free_ram(self) -> int:
-        return int(psutil.virtual_memory().available)
+        available = int(psutil.virtual_memory().available)
+        return _capped_memory(available, available, read_cgroup_limits(self.cgroup_root, self.proc_cgroup))[1]
 
     def free_vram(self) -> int:
         visible, _ = nvml_visible(self.environ, self.nvml)
@@ -661,6 +913,8 @@ def describe(hw: Hardware, b: Budgets) -> list[str]:
         f"ram_total={hw.total_ram} ram_available={hw.available_ram} "
         f"features={','.join(hw.cpu_features) or '?'}"
     ]
+    if hw.limits:
+        lines.append("limits " + "; ".join(hw.limits))
     lines.append(f"llama.cpp backends={','.join(hw.backends) or 'none'} source={hw.probe or '?'}")
     for d in hw.devices:
         lines.append(

@@ -175,14 +175,15 @@ class Runner:
 
     # -- load ----------------------------------------------------------------------------------------------------
     def load(self, spec: LoadSpec) -> None:
-        import psutil
+        from daemon.hardware import effective_cpus
 
         if spec.rpc_servers:  # llama.cpp's RPC backend: the servers' devices come first (daemon/llama/rpc.py)
             from daemon.llama import rpc
 
             spec = rpc.prepare(self.lc, spec)
         self.spec = spec
-        threads = spec.num_thread or psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        # the physical cores this process may use: no more than its CPU affinity and its cgroup's CPU quota allow
+        threads = spec.num_thread or effective_cpus()
         n_parallel = max(1, spec.num_parallel)
         n_ctx = spec.num_ctx * n_parallel
         n_batch = spec.num_batch or 512
