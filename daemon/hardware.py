@@ -26,9 +26,9 @@ Containers: psutil reports the host's RAM and cores, not a container's (a Kubern
 host core). :func:`read_cgroup_limits` reads the process's cgroups, v2 and v1, its own and every ancestor's (a limit
 on a parent slice applies): the memory limit caps the total RAM, the limit less what the cgroup uses (less the page
 cache it can drop) caps the available RAM, here and in :meth:`SystemMemoryProbe.free_ram`; the CPU quota (rounded
-up) and the CPU affinity cap the core counts, here and in :func:`effective_cpus` (a runner's thread count when no
-``num_thread`` is given). :attr:`Hardware.limits` names what lowered what (``/api/info`` and the startup log's
-``limits`` line). No cgroup files (macOS, Windows) or unreadable ones mean no limits.
+up) and the CPU affinity cap the core counts (a model's default ``num_thread`` is the physical ones; runners are
+told the logical ones, ``LoadSpec.cpus``). :attr:`Hardware.limits` names what lowered what (``/api/info`` and the
+startup log's ``limits`` line). No cgroup files (macOS, Windows) or unreadable ones mean no limits.
 
 Unified memory: where the GPU's memory is the system's RAM (Apple Silicon's Metal GPU, and integrated GPUs, which
 llama.cpp lists with the IGPU device type: Vulkan UMA, Jetson and GB10 CUDA, AMD APUs), RAM and VRAM are one memory.
@@ -580,22 +580,6 @@ def _capped_cores(physical: int, logical: int, lim: CgroupLimits, affinity: int 
         name, _, where = lim.cpu_quota_source.partition(" ")
         lines.append(f"{name} quota {lim.cpu_quota:.1f} CPUs {where}".rstrip())
     return max(1, min(physical, logical)), max(1, logical), lines
-
-
-def effective_cpus(
-    logical: bool = False,
-    *,
-    cgroup_root: str | Path = CGROUP_ROOT,
-    proc_cgroup: str | Path = PROC_CGROUP,
-    affinity: Callable[[], int | None] = cpu_affinity,
-) -> int:
-    """The cores this process can really use: the machine's physical (or, ``logical=True``, logical) cores, no more
-    than the CPUs its affinity allows and its cgroup's CPU quota (rounded up), as :func:`detect` counts them. What
-    a runner starts llama.cpp with when no ``num_thread`` is given."""
-    n_logical = psutil.cpu_count(logical=True) or os.cpu_count() or 1
-    n_physical = psutil.cpu_count(logical=False) or n_logical
-    phys, logi, _ = _capped_cores(n_physical, n_logical, read_cgroup_limits(cgroup_root, proc_cgroup), affinity())
-    return logi if logical else phys
 
 
 # -- putting it together ---------------------------------------------------------------------------------------

@@ -195,6 +195,7 @@ def create_app(
         vram_budget=the_budgets.vram,
         ram_budget=the_budgets.ram,
         physical_cores=hw.physical_cores,
+        logical_cores=hw.logical_cores,
         default_num_ctx=default_num_ctx,
         gpu_budgets=the_budgets.gpu_budgets,
         rpc=rpc_pool,

@@ -148,6 +148,7 @@ class Inference:
         *,
         vram_budget: int = 0,
         physical_cores: int = 0,
+        logical_cores: int = 0,
         ram_budget: int = 0,
         default_num_ctx: int = 4096,
         gpu_budgets: tuple[int, ...] = (),
@@ -163,6 +164,7 @@ class Inference:
         self.ram_budget = ram_budget
         self.shared_memory = shared_memory  # unified memory: what goes to the GPU comes out of the RAM budget too
         self.physical_cores = physical_cores
+        self.logical_cores = logical_cores  # what runners may use (CPU affinity, a container's CPU quota)
         self.default_num_ctx = default_num_ctx  # CORRAL_CONTEXT_LENGTH, or automatic by VRAM (see create_app)
         self._estimates: dict[tuple[str, int, int, int, int, str, str], Estimate] = {}
         self._kv_keys: dict[tuple[str, ...], str] = {}  # kv_key_for, per model file, adapters, projector, KV settings
@@ -382,6 +384,7 @@ class Inference:
             num_batch=num_batch,
             num_gpu=num_gpu,
             num_thread=num_thread,
+            cpus=self.logical_cores,
             use_mmap=opts.get("use_mmap"),
             num_parallel=num_parallel,
             embedding=embedding,

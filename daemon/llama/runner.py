@@ -175,15 +175,14 @@ class Runner:
 
     # -- load ----------------------------------------------------------------------------------------------------
     def load(self, spec: LoadSpec) -> None:
-        from daemon.hardware import effective_cpus
+        import psutil
 
         if spec.rpc_servers:  # llama.cpp's RPC backend: the servers' devices come first (daemon/llama/rpc.py)
             from daemon.llama import rpc
 
             spec = rpc.prepare(self.lc, spec)
         self.spec = spec
-        # the physical cores this process may use: no more than its CPU affinity and its cgroup's CPU quota allow
-        threads = spec.num_thread or effective_cpus()
+        threads = spec.num_thread or psutil.cpu_count(logical=False) or os.cpu_count() or 1
         n_parallel = max(1, spec.num_parallel)
         n_ctx = spec.num_ctx * n_parallel
         n_batch = spec.num_batch or 512
@@ -277,7 +276,7 @@ class Runner:
             before_first_decode=lambda: _inject_fault("first-decode", spec),
             first_token_pause=0.0 if offloaded else FIRST_TOKEN_PAUSE,
             # llama.cpp computing with a thread on every core: each frame that wakes the daemon stalls a decode
-            stream_interval=STREAM_INTERVAL if not offloaded and threads >= _usable_cores() else 0.0,
+            stream_interval=STREAM_INTERVAL if not offloaded and threads >= (spec.cpus or _usable_cores()) else 0.0,
             draft=self.draft,
             spec_max_streams=SPEC_MAX_STREAMS_GPU if offloaded else SPEC_MAX_STREAMS,
             spec_token_cost=SPEC_TOKEN_COST_GPU if offloaded else SPEC_TOKEN_COST,
@@ -931,7 +930,7 @@ class Runner:
 
 
 def _usable_cores() -> int:
-    """The cores this process may run on."""
+    """The cores this process may run on (where the daemon did not say: ``LoadSpec.cpus``)."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # macOS has no affinity: every core

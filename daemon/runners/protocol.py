@@ -85,6 +85,9 @@ class LoadSpec:
     num_batch: int = 512
     num_gpu: int = 0  # llama.cpp n_gpu_layers: the output layer counts as one (n_layer + 1 or -1 = all)
     num_thread: int = 0  # 0 = physical cores
+    # the logical CPUs the runner may use, as the daemon counts them (daemon/hardware.py: CPU affinity and a
+    # container's CPU quota); 0 = those its affinity allows
+    cpus: int = 0
     use_mmap: bool | None = None
     num_parallel: int = 1
     embedding: bool = False

@@ -387,7 +387,7 @@ class Terminal:
             except OSError:
                 time.sleep(0.1)
         os.kill(self.pid, 9)
-        raise AssertionError("corral run did not exit")
+        raise AssertionError(f"corral run did not exit; its terminal's last output: {self.seen[-600:]!r}")
 
 
 @pytest.mark.parametrize("sigint", [signal.SIG_DFL, signal.SIG_IGN], ids=["default", "started-ignoring-sigint"])

@@ -3,7 +3,7 @@
 psutil reports the host's RAM and cores; inside a container or a Kubernetes pod (``resources.limits.memory: 8Gi``
 on a 128 GiB node) corral would budget the host's memory and be OOM-killed, and start llama.cpp with a thread per
 host core under a 2-CPU quota. ``daemon.hardware`` reads the process's cgroups (own and ancestors) and its affinity
-and caps what ``detect()``, ``SystemMemoryProbe.free_ram()`` and ``effective_cpus()`` report. Every test here
+and caps what ``detect()`` and ``SystemMemoryProbe.free_ram()`` report. Every test here
 builds a fake ``/sys/fs/cgroup`` tree and ``/proc/self/cgroup`` under tmp_path, and fakes psutil's numbers where
 ``detect()`` is asked, so the results do not depend on the machine running them.
 """
@@ -23,7 +23,6 @@ from daemon.hardware import (
     budgets,
     describe,
     detect,
-    effective_cpus,
     read_cgroup_limits,
 )
 
@@ -300,7 +299,7 @@ def test_unreadable_proc_file_and_a_path_outside_the_namespace(tmp_path: Path) -
     assert read_cgroup_limits(root, tmp_path) == CgroupLimits()  # a directory where the file should be
 
 
-# -- detect(), budgets(), free_ram(), effective_cpus() ------------------------------------------------------------
+# -- detect(), budgets(), free_ram() ----------------------------------------------------------------------------
 @pytest.fixture
 def big_node(monkeypatch: pytest.MonkeyPatch) -> None:
     """psutil as on a 128 GiB node with 32 cores / 64 threads, 115 GiB available."""
@@ -401,22 +400,12 @@ def test_free_ram_is_capped_by_the_headroom_read_afresh(tmp_path: Path, big_node
     assert no_cgroups.free_ram() == 115 * GiB
 
 
-def test_effective_cpus(tmp_path: Path, big_node: None) -> None:
-    root, proc = tree(tmp_path, "3:cpu,cpuacct:/\n", {"cpu,cpuacct/cpu.cfs_quota_us": 250000})
-    (root / "cpu,cpuacct/cpu.cfs_period_us").write_text("100000\n")
-    assert effective_cpus(cgroup_root=root, proc_cgroup=proc, affinity=lambda: None) == 3
-    assert effective_cpus(True, cgroup_root=root, proc_cgroup=proc, affinity=lambda: 2) == 2
-    none = tmp_path / "none"
-    assert effective_cpus(cgroup_root=none, proc_cgroup=none, affinity=lambda: None) == 32
-    assert effective_cpus(True, cgroup_root=none, proc_cgroup=none, affinity=lambda: None) == 64
-    assert effective_cpus(cgroup_root=none, proc_cgroup=none, affinity=lambda: 8) == 8
-
-
 def test_the_real_machine_never_raises() -> None:
     """Whatever this machine has (cgroups v1, v2, hybrid, none), reading it gives numbers, not an exception."""
     lim = read_cgroup_limits()
     assert lim.memory_max is None or lim.memory_max > 0
-    assert effective_cpus() >= 1 and effective_cpus(logical=True) >= effective_cpus()
+    hw = hardware.detect(check_offload=False, use_cache=False)
+    assert 1 <= hw.physical_cores <= hw.logical_cores
     affinity = hardware.cpu_affinity()
     assert affinity is None or affinity >= 1
     assert 0 <= SystemMemoryProbe().free_ram() <= psutil.virtual_memory().total
