@@ -40,7 +40,7 @@ from tests.registry_pull.fake_registry import ServerThread
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs POSIX signals")
 
-CHUNKS = 200  # a long answer: 200 pieces, 2 ms apart
+CHUNKS = 60  # a long answer: 60 pieces, 2 ms apart
 ROOTS = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (httpx, httpcore, h11)) + (
     os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "cli"),
     threading.__file__,
