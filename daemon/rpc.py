@@ -10,10 +10,13 @@ module never imports llama_cpp (the runner's half is ``daemon/llama/rpc.py``):
   is down, a port where something else listens, a server of another protocol version or one busy with another
   client (an rpc-server serves one client at a time) is found out before llama.cpp touches it: llama.cpp aborts
   the process on an RPC failure, and waits forever on a server that accepts but does not answer.
-* :class:`RpcPool` holds the servers, what each reported when the daemon started (its devices' free and total
-  memory) and their budgets (free memory less a reserve): the offload budget of the memory estimate is the local
-  GPUs' VRAM budget plus these, and a load's offloaded layers are spread over the servers and the local GPUs in
-  proportion to their budgets (:func:`split`; llama.cpp puts RPC devices first in its device list).
+* :class:`RpcPool` holds the servers, what each reported (its devices' free and total memory) and their budgets
+  (free memory less a reserve): the offload budget of the memory estimate is the local GPUs' VRAM budget plus
+  these, and a load's offloaded layers are spread over the servers and the local GPUs in proportion to their
+  budgets (:func:`split`; llama.cpp puts RPC devices first in its device list). A server that does not answer
+  when the daemon starts (down, not started yet: a compose file or a cluster starts hosts in any order, or busy)
+  is probed again every ``RETRY_INTERVAL`` seconds (:meth:`RpcPool.watch`) and joins when it answers: its memory is
+  added to the budget and the next loads offload to it.
 * At each load (:func:`check_load`, from ``ProcessRunner.start``) every server of the spec is probed again; one
   that does not answer is left out of that load with a warning naming it and why, and its share of the layers
   stays on this host (the load's ``rpc`` facts in ``/api/ps`` say so): never a hang, never a failed load because
@@ -54,6 +57,7 @@ CONN_CAPS_SIZE = 24  # ggml/src/ggml-rpc/transport.h: all zero = plain TCP (no R
 MAX_DEVICES = 16  # GGML_RPC_MAX_SERVERS; and llama.cpp's LLAMA_MAX_DEVICES bounds tensor_split
 
 PROBE_TIMEOUT = 3.0  # seconds for each server's whole probe (connect, hello, device count and memory)
+RETRY_INTERVAL = 5.0  # seconds between two probes of the configured servers that have not answered yet
 RESERVE_SHARE = 0.10  # of each server device's total memory kept free (with at least RESERVE_MIN)
 RESERVE_MIN = 512 * MiB
 
@@ -402,7 +406,8 @@ def runner_env(base: Mapping[str, str], libs: Path | None) -> dict[str, str]:
 # -- the daemon's view -------------------------------------------------------------------------------------------
 @dataclass
 class RpcPool:
-    """The configured servers, as they answered when the daemon started, and the libraries runners use."""
+    """The configured servers, as they last answered (at startup, or since: :meth:`watch`), and the libraries
+    runners that offload to them use."""
 
     endpoints: tuple[str, ...] = ()
     servers: tuple[RpcServer, ...] = ()
@@ -434,12 +439,40 @@ class RpcPool:
                     budget_of(s),
                 )
             else:
-                log.warning("RPC server %s is not used: %s (checked again at each load)", s.endpoint, s.error)
+                log.warning(
+                    "RPC server %s is not used yet: %s (probed again every %.0f s)", s.endpoint, s.error, RETRY_INTERVAL
+                )
         return cls(endpoints=endpoints, servers=servers, libs=libs)
+
+    async def watch(self, interval: float = RETRY_INTERVAL, timeout: float = PROBE_TIMEOUT) -> None:
+        """Probe the servers that have not answered (or had no memory to lend) every ``interval`` seconds until
+        each has; one that answers joins the pool (the budget and the next loads' split count it). The servers in
+        use are not probed here: an rpc-server serves one client at a time, so a probe would find it busy with a
+        runner; each load probes its own servers first (:func:`check_load`). Ends when every server is in."""
+        import asyncio
+
+        if self.libs is None:  # RPC is off (the libraries are missing): nothing to wait for
+            return
+        while waiting := [s.endpoint for s in self.servers if s not in self.active]:
+            await asyncio.sleep(interval)
+            fresh = {s.endpoint: s for s in await asyncio.to_thread(probe_all, waiting, timeout)}
+            self.servers = tuple(fresh.get(s.endpoint, s) for s in self.servers)
+            for s in fresh.values():
+                if s in self.active:
+                    log.info(
+                        "RPC server %s answers now: protocol %s, %d device(s), memory free=%d total=%d budget=%d; "
+                        "the next loads offload to it",
+                        s.endpoint,
+                        s.version,
+                        len(s.devices),
+                        s.free,
+                        s.total,
+                        budget_of(s),
+                    )
 
     @property
     def active(self) -> tuple[RpcServer, ...]:
-        """The servers loads offload to: those that answered at startup with memory to lend."""
+        """The servers loads offload to: those that answered (at startup, or since) with memory to lend."""
         return tuple(s for s in self.servers if s.ok and budget_of(s) > 0)
 
     @property
@@ -451,8 +484,10 @@ class RpcPool:
         return sum(self.budgets)
 
     def env(self, base: Mapping[str, str] | None = None) -> dict[str, str] | None:
-        """The runners' environment (None: the daemon's own, when no library change is needed)."""
-        if not self.active or self.libs is None:
+        """The environment of a runner that offloads to the servers (its spec names them): the RPC-enabled
+        libraries. None (the daemon's own) when RPC is off; a runner without servers is started with the daemon's
+        own too (:func:`daemon.api.app.default_runner_factory`)."""
+        if self.libs is None:
             return None
         return runner_env(os.environ if base is None else base, self.libs)
 

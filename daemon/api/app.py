@@ -7,6 +7,7 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -58,12 +59,14 @@ def startup_prune(store: Store, settings: Settings) -> None:
 
 
 def default_runner_factory(
-    ref: ModelRef, spec: LoadSpec, *, load_timeout: float | None = None, env: dict[str, str] | None = None
+    ref: ModelRef, spec: LoadSpec, *, load_timeout: float | None = None, rpc: RpcPool | None = None
 ) -> Runner:
-    """A llama.cpp runner process; ``load_timeout``: CORRAL_LOAD_TIMEOUT (None: the runner's default); ``env``: its
-    environment (None: the daemon's; CORRAL_RPC_SERVERS may point it at RPC-enabled libraries, daemon/rpc.py)."""
+    """A llama.cpp runner process; ``load_timeout``: CORRAL_LOAD_TIMEOUT (None: the runner's default). One that
+    offloads to llama.cpp rpc-servers (its spec names them) runs with the RPC-enabled libraries (``rpc``,
+    CORRAL_RPC_SERVERS, daemon/rpc.py); any other with the daemon's environment."""
     from daemon.runners.process import ProcessRunner
 
+    env = rpc.env() if rpc is not None and spec.rpc_servers else None
     if load_timeout is None:
         return ProcessRunner(spec, env=env)
     return ProcessRunner(spec, load_timeout=load_timeout, env=env)
@@ -111,23 +114,31 @@ def create_app(
 ) -> FastAPI:
     """Build the daemon's app. ``store`` lets the caller take the directory lock before serving; the runner
     factory and the memory estimator can be replaced (tests)."""
-    from daemon.hardware import budgets, describe, detect
+    from daemon.hardware import Budgets, budgets, describe, detect
 
     the_store = store or Store(settings.models)
     catalog = Catalog(the_store)
     hw = detect()
-    the_budgets = budgets(hw, settings.ram_budget, settings.vram_budget)
-    # llama.cpp rpc-servers (issue 30): probed once here (bounded), their memory added to the offload budget
+    local_budgets = budgets(hw, settings.ram_budget, settings.vram_budget)
+    # llama.cpp rpc-servers (issue 30): probed here (bounded), their memory added to the offload budget; those that
+    # do not answer yet are probed again in the background (RpcPool.watch) and join when they do
     rpc_pool = RpcPool.start(settings.rpc_servers, settings.llama_lib_path)
-    the_budgets = rpc_budgets(the_budgets, rpc_pool)
+
+    def current_budgets() -> Budgets:
+        return rpc_budgets(local_budgets, rpc_pool)
+
+    the_budgets = current_budgets()
     total_vram = sum(g.total_vram for g in hw.gpus) if hw.gpu_offload else 0  # the GPUs llama.cpp can use
     default_num_ctx = default_context_length(total_vram, settings.context_length)
     scheduler = Scheduler(
         runner_factory=runner_factory
-        or functools.partial(default_runner_factory, load_timeout=settings.load_timeout, env=rpc_pool.env()),
+        or functools.partial(default_runner_factory, load_timeout=settings.load_timeout, rpc=rpc_pool),
         estimate=estimator or default_estimator(catalog),
         budget=lambda: Budget(
-            ram=the_budgets.ram, vram=the_budgets.vram, max_loaded=settings.max_loaded_models, shared=the_budgets.shared
+            ram=local_budgets.ram,
+            vram=current_budgets().vram,
+            max_loaded=settings.max_loaded_models,
+            shared=local_budgets.shared,
         ),
         default_keep_alive=settings.keep_alive,
         max_queue=settings.max_queue,
@@ -162,9 +173,11 @@ def create_app(
             if settings.preload
             else None
         )  # in the background: startup does not wait for the loads (readiness does: daemon/api/lifecycle.py)
+        rpc_watch = asyncio.ensure_future(rpc_pool.watch())  # servers that did not answer at startup
         try:
             yield
         finally:
+            rpc_watch.cancel()
             if preloading is not None:
                 preloading.cancel()
             log.info("corral shutting down; unloading models")
@@ -179,21 +192,26 @@ def create_app(
     app.state.scheduler = scheduler
     app.state.hardware = hw
     app.state.rpc = rpc_pool
-    app.state.budgets_json = {
-        "ram": the_budgets.ram,
-        "vram": the_budgets.vram,
-        "max_loaded_models": settings.max_loaded_models,
-        "ram_source": the_budgets.ram_source,
-        "vram_source": the_budgets.vram_source,
-        "gpus": list(the_budgets.gpu_budgets),
-        "unified_memory": the_budgets.shared,
-    }  # VRAM budget per GPU (GPU.index order)
+
+    def budgets_json() -> dict[str, Any]:  # /api/info's: now (an RPC server may have joined since startup)
+        b = current_budgets()
+        return {
+            "ram": b.ram,
+            "vram": b.vram,
+            "max_loaded_models": settings.max_loaded_models,
+            "ram_source": b.ram_source,
+            "vram_source": b.vram_source,
+            "gpus": list(b.gpu_budgets),  # VRAM budget per GPU (GPU.index order)
+            "unified_memory": b.shared,
+        }
+
+    app.state.budgets_json = budgets_json
     app.state.inference = Inference(
         catalog,
         scheduler,
         settings,
-        vram_budget=the_budgets.vram,
-        ram_budget=the_budgets.ram,
+        vram_budget=local_budgets.vram,
+        ram_budget=local_budgets.ram,
         physical_cores=hw.physical_cores,
         logical_cores=hw.logical_cores,
         default_num_ctx=default_num_ctx,

@@ -155,12 +155,12 @@ class Inference:
         shared_memory: bool = False,
         rpc: RpcPool | None = None,
     ) -> None:
-        self.rpc = rpc  # llama.cpp rpc-servers (CORRAL_RPC_SERVERS): their budgets are part of vram_budget
+        self.rpc = rpc  # llama.cpp rpc-servers (CORRAL_RPC_SERVERS): their budgets are added to vram_budget
         self.catalog = catalog
         self.gpu_budgets = gpu_budgets  # VRAM budget per visible GPU, in llama.cpp's device order (hardware.Budgets)
         self.scheduler = scheduler
         self.settings = settings
-        self.vram_budget = vram_budget
+        self.local_vram_budget = vram_budget  # the local GPUs'
         self.ram_budget = ram_budget
         self.shared_memory = shared_memory  # unified memory: what goes to the GPU comes out of the RAM budget too
         self.physical_cores = physical_cores
@@ -199,6 +199,11 @@ class Inference:
             while len(self._models) > MODEL_CACHE:
                 self._models.popitem(last=False)
         return ctx
+
+    @property
+    def vram_budget(self) -> int:
+        """What a load may offload: the local GPUs' budget and what the llama.cpp rpc-servers in use lend now."""
+        return self.local_vram_budget + (self.rpc.budget if self.rpc is not None else 0)
 
     def model(self, raw: str) -> ModelContext:
         stored = self.catalog.get(raw)

@@ -163,6 +163,36 @@ def test_probe_refuses_another_protocol_version() -> None:
     assert not r.ok and "protocol" in r.error and "scripts/build-rpc.sh" in r.error
 
 
+@pytest.mark.anyio
+async def test_the_pool_takes_in_a_server_that_answers_later(tmp_path: Path) -> None:
+    """RpcPool.watch probes the servers that did not answer again and takes in one that does; the others are
+    waited for still, and the servers in use are not probed (an rpc-server serves one client at a time)."""
+    import asyncio
+
+    gib = 1 << 30
+    srv, t = _fake_server(rpc.RPC_PROTO_MAJOR, [(6 * gib, 8 * gib)])  # answers one connection
+    later, closed = f"127.0.0.1:{srv.getsockname()[1]}", f"127.0.0.1:{free_port()}"
+    down = tuple(rpc.RpcServer(e, ok=False, error="connect: refused") for e in (later, closed))
+    pool = rpc.RpcPool(endpoints=(later, closed), servers=down, libs=tmp_path)
+    assert pool.active == () and pool.budget == 0
+    assert pool.env() is not None and pool.env()["LLAMA_CPP_LIB_PATH"] == str(tmp_path)  # type: ignore[index]
+    watching = asyncio.ensure_future(pool.watch(interval=0.05, timeout=1.0))
+    try:
+        deadline = time.monotonic() + 10
+        while not pool.active:
+            assert time.monotonic() < deadline, pool.servers
+            await asyncio.sleep(0.02)
+        assert [s.endpoint for s in pool.active] == [later]
+        assert pool.budget == 6 * gib - int(0.8 * gib)
+        await asyncio.sleep(0.3)  # more rounds: the closed one is still tried, the joined one left alone
+        assert not watching.done() and [s.endpoint for s in pool.active] == [later]
+    finally:
+        watching.cancel()
+        srv.close()
+        t.join(2)
+    assert rpc.RpcPool(endpoints=(closed,), servers=down[1:], libs=None).env() is None  # RPC off: nothing to wait
+
+
 def test_missing_libraries_say_how_to_build_them(tmp_path: Path) -> None:
     if rpc.package_lib_dir() is not None and rpc._has_rpc(rpc.package_lib_dir()):  # type: ignore[arg-type]
         pytest.skip("this venv's llama-cpp-python was built with the RPC backend")
@@ -198,11 +228,11 @@ def build() -> Build:
 
 
 class Servers:
-    def __init__(self, build: Build, n: int, log_dir: Path) -> None:
+    def __init__(self, build: Build, n: int, log_dir: Path, ports: list[int] | None = None) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.endpoints: list[str] = []
         for i in range(n):
-            port = free_port()
+            port = ports[i] if ports else free_port()
             log = open(log_dir / f"rpc-server-{i}.log", "wb")  # noqa: SIM115
             proc = subprocess.Popen(
                 [str(build.server), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
@@ -397,6 +427,43 @@ def test_the_daemon_offloads_to_rpc_servers_and_shows_them(build: Build, servers
         assert f"RPC server {servers.endpoints[1]} is left out of this load" in log
     finally:
         stop_daemon(d)
+
+
+def test_a_server_started_after_the_daemon_joins_and_the_next_load_uses_it(build: Build, tmp_path: Path) -> None:
+    """Hosts start in any order (a compose file, a cluster): a server that is not up when the daemon starts is
+    shown as such, probed again in the background, and joins when it answers; its memory is then in the budget and
+    the next load offloads to it."""
+    model = write_tiny_gguf(tmp_path / "tiny.gguf", n_layer=4)
+    port = free_port()
+    endpoint = f"127.0.0.1:{port}"
+    d = start_daemon(
+        tmp_path / "models",
+        tmp_path / "daemon.log",
+        {"CORRAL_RPC_SERVERS": endpoint, "CORRAL_LLAMA_LIB_PATH": str(build.lib)},
+    )
+    late: Servers | None = None
+    try:
+        _create(d, "tiny", model)
+        with d.client() as h:
+            info = h.get("/api/info").json()
+            assert info["rpc"]["active"] == [] and not info["rpc"]["servers"][0]["ok"]
+            assert info["rpc"]["budget"] == 0
+            late = Servers(build, 1, tmp_path, ports=[port])
+            deadline = time.monotonic() + 60  # probed again every rpc.RETRY_INTERVAL seconds
+            while not (info := h.get("/api/info").json())["rpc"]["active"]:
+                assert time.monotonic() < deadline, f"the server did not join: {info['rpc']}"
+                time.sleep(0.2)
+            assert info["rpc"]["active"] == [endpoint] and info["budgets"]["vram"] >= info["rpc"]["budget"] > 0
+            _generate(h, "tiny")
+            (loaded,) = h.get("/api/ps").json()["models"]
+            assert loaded["rpc"]["servers"] == [endpoint] and loaded["rpc"]["bytes"][endpoint] > 0
+        log = (tmp_path / "daemon.log").read_text()
+        assert f"RPC server {endpoint} is not used yet" in log
+        assert f"RPC server {endpoint} answers now" in log
+    finally:
+        stop_daemon(d)
+        if late is not None:
+            late.close()
 
 
 @pytest.mark.anyio

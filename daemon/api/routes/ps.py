@@ -153,7 +153,7 @@ def info(request: Request) -> dict[str, Any]:
     return {
         "instance": state.settings.instance,  # CORRAL_INSTANCE: which replica answered (issue 30)
         "hardware": state.hardware.to_json(),
-        "budgets": state.budgets_json,
+        "budgets": state.budgets_json(),
         "settings": in_force,
         "kv_disk": kv_disk_info(state.settings),
         # corral: the safer runner configurations chosen after native crashes on this machine
