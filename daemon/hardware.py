@@ -440,16 +440,22 @@ def _cgroup_dirs(mount: Path, path: str) -> list[Path]:
 
 
 def _memory_of(directory: Path, v2: bool) -> tuple[int, int, str] | None:
-    """(limit, headroom, file name) of one cgroup directory, or None if it sets no memory limit."""
+    """(limit, headroom, file name) of one cgroup directory, or None if it sets no memory limit. v2's
+    ``memory.high`` counts as a limit too (systemd's MemoryHigh=): above it the kernel throttles the cgroup and
+    reclaims hard, which a model's weights and KV cache would not survive at any useful speed."""
     inactive_keys: tuple[str, ...]
+    names: tuple[str, ...]
     if v2:
-        name, usage_name, inactive_keys = "memory.max", "memory.current", ("inactive_file",)
+        names, usage_name, inactive_keys = ("memory.max", "memory.high"), "memory.current", ("inactive_file",)
     else:  # v1's total_ counts the sub-cgroups too, as its usage does
-        name, usage_name = "memory.limit_in_bytes", "memory.usage_in_bytes"
+        names, usage_name = ("memory.limit_in_bytes",), "memory.usage_in_bytes"
         inactive_keys = ("total_inactive_file", "inactive_file")
-    limit = _int_in(directory / name)  # v2's "max" is no number: no limit
-    if limit is None or limit <= 0 or limit >= V1_UNLIMITED:
+    found = [  # v2's "max" is no number: no limit
+        (value, name) for name in names if (value := _int_in(directory / name)) is not None and 0 < value < V1_UNLIMITED
+    ]
+    if not found:
         return None
+    limit, name = min(found)
     usage = _int_in(directory / usage_name)
     if usage is None or usage < 0:
         return limit, limit, name

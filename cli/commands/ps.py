@@ -223,6 +223,7 @@ def info_lines(data: dict[str, Any]) -> list[str]:
             f"{output.format_size(int(hw.get('available_ram') or 0))} available",
         ],
     ]
+    rows += [["Limits", str(line)] for line in hw.get("limits") or []]  # a container's cgroup, the CPU affinity
     source = f" (llama.cpp probe {hw['probe']})" if hw.get("probe") else ""
     rows.append(["Backends", (", ".join(hw.get("backends") or []) or "none") + source])
     for d in hw.get("devices") or []:

@@ -69,6 +69,22 @@ def test_v2_limit_on_the_process_own_cgroup(tmp_path: Path) -> None:
     assert lim.cpu_quota is None
 
 
+def test_v2_memory_high_is_a_limit_too(tmp_path: Path) -> None:
+    """systemd's MemoryHigh= (v2 memory.high): above it the cgroup is throttled; the smaller of it and memory.max."""
+    files: dict[str, str | int] = {
+        f"{POD}/memory.max": 8 * GiB,
+        f"{POD}/memory.high": 6 * GiB,
+        f"{POD}/memory.current": 2 * GiB,
+        f"{POD}/memory.stat": stat(0),
+    }
+    root, proc = tree(tmp_path, f"0::/{POD}\n", files)
+    lim = read_cgroup_limits(root, proc)
+    assert lim.memory_max == 6 * GiB and lim.memory_headroom == 4 * GiB
+    assert lim.memory_max_source == f"memory.high ({root / POD})"
+    (root / POD / "memory.high").write_text("max\n")
+    assert read_cgroup_limits(root, proc).memory_max == 8 * GiB
+
+
 def test_v2_limit_on_a_parent_slice_only(tmp_path: Path) -> None:
     parent = "kubepods.slice/kubepods-pod1.slice"
     root, proc = tree(
@@ -409,3 +425,12 @@ def test_the_real_machine_never_raises() -> None:
     affinity = hardware.cpu_affinity()
     assert affinity is None or affinity >= 1
     assert 0 <= SystemMemoryProbe().free_ram() <= psutil.virtual_memory().total
+
+
+def test_corral_info_shows_the_limits() -> None:
+    from cli.commands.ps import info_lines
+
+    data = {"hardware": {"physical_cores": 2, "logical_cores": 2, "limits": ["cgroup memory.max 8.0 GiB (/x)"]}}
+    shown = "\n".join(info_lines(data))
+    assert "Limits" in shown and "cgroup memory.max 8.0 GiB (/x)" in shown
+    assert "Limits" not in "\n".join(info_lines({"hardware": {"physical_cores": 2}}))
