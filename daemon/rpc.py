@@ -429,15 +429,7 @@ class RpcPool:
         servers = probe_all(endpoints, timeout)
         for s in servers:
             if s.ok:
-                log.info(
-                    "RPC server %s: protocol %s, %d device(s), memory free=%d total=%d budget=%d",
-                    s.endpoint,
-                    s.version,
-                    len(s.devices),
-                    s.free,
-                    s.total,
-                    budget_of(s),
-                )
+                _log_answer(s)
             else:
                 log.warning(
                     "RPC server %s is not used yet: %s (probed again every %.0f s)", s.endpoint, s.error, RETRY_INTERVAL
@@ -459,16 +451,7 @@ class RpcPool:
             self.servers = tuple(fresh.get(s.endpoint, s) for s in self.servers)
             for s in fresh.values():
                 if s in self.active:
-                    log.info(
-                        "RPC server %s answers now: protocol %s, %d device(s), memory free=%d total=%d budget=%d; "
-                        "the next loads offload to it",
-                        s.endpoint,
-                        s.version,
-                        len(s.devices),
-                        s.free,
-                        s.total,
-                        budget_of(s),
-                    )
+                    _log_answer(s, " answers now", "; the next loads offload to it")
 
     @property
     def active(self) -> tuple[RpcServer, ...]:
@@ -500,6 +483,20 @@ class RpcPool:
             "lib_dir": "" if self.libs is None else str(self.libs),
             **({"error": self.error} if self.error else {}),
         }
+
+
+def _log_answer(s: RpcServer, now: str = "", then: str = "") -> None:
+    log.info(
+        "RPC server %s%s: protocol %s, %d device(s), memory free=%d total=%d budget=%d%s",
+        s.endpoint,
+        now,
+        s.version,
+        len(s.devices),
+        s.free,
+        s.total,
+        budget_of(s),
+        then,
+    )
 
 
 def rpc_budgets(b: Any, pool: RpcPool) -> Any:
