@@ -7,6 +7,8 @@ import { renderMarkdown } from "./markdown.js";
 
 const STORE = "corral.conversations";
 const CURRENT = "corral.current";
+const DELETED = "corral.deleted"; // ids of conversations deleted in some tab: another tab's save must not revive them
+const DELETED_KEEP = 500;
 
 let models = []; // from /api/tags
 let convs = [];
@@ -15,21 +17,62 @@ let pending = []; // images attached to the next message: {data (base64), url (d
 let controller = null; // the running stream's AbortController
 
 // ---- storage ----
-function load() {
+// Several tabs share one store: each save merges what this tab holds with what the others saved since, so no tab
+// undoes another's work. A conversation both hold is the one changed last (``updated``); one only the store holds
+// is another tab's (kept); one deleted in any tab is gone everywhere. The conversation whose answer is streaming
+// here stays this tab's own until it ends.
+function stored() {
   try {
     const v = JSON.parse(localStorage.getItem(STORE) || "[]");
-    convs = Array.isArray(v) ? v.filter((c) => c && typeof c.id === "string" && Array.isArray(c.messages)) : [];
+    return Array.isArray(v) ? v.filter((c) => c && typeof c.id === "string" && Array.isArray(c.messages)) : [];
   } catch (_) {
-    convs = [];
+    return [];
   }
 }
 
-function save() {
+function deleted() {
+  try {
+    const v = JSON.parse(localStorage.getItem(DELETED) || "[]");
+    return Array.isArray(v) ? v.filter((id) => typeof id === "string") : [];
+  } catch (_) {
+    return [];
+  }
+}
+
+function load() {
+  convs = stored();
+}
+
+function merge() {
+  const gone = new Set(deleted());
+  const mine = new Map(convs.map((c) => [c.id, c]));
+  for (const c of stored()) {
+    const have = mine.get(c.id);
+    const busy = controller && have === current;
+    if (!have || (!busy && (c.updated || 0) > (have.updated || 0))) mine.set(c.id, c);
+  }
+  const kept = (c) => !gone.has(c.id) || (controller && c === current); // deleted elsewhere: after its answer
+  convs = [...mine.values()].filter(kept).sort((a, b) => (b.created || 0) - (a.created || 0));
+  if (current) current = convs.find((c) => c.id === current.id) || null;
+}
+
+// ``changed``: the conversation this tab has just changed (the shown one unless said), or null for none
+function save(changed = current) {
+  if (changed) changed.updated = Math.max(Date.now(), (changed.updated || 0) + 1);
+  merge();
   try {
     localStorage.setItem(STORE, JSON.stringify(convs));
   } catch (err) {
     notice("cannot keep the conversations in this browser: " + err.message + " (images take much room: export and delete old ones)");
   }
+}
+
+function forget(c) {
+  convs = convs.filter((x) => x !== c);
+  try {
+    localStorage.setItem(DELETED, JSON.stringify([...deleted().filter((id) => id !== c.id), c.id].slice(-DELETED_KEEP)));
+  } catch (_) { /* the store is full: the conversation still goes from this tab's list below */ }
+  save(null);
 }
 
 function newConversation() {
@@ -82,13 +125,13 @@ export function init() {
   $("#conversations").addEventListener("click", onConversationClick);
   $("#messages").addEventListener("click", onMessageClick);
   window.addEventListener("storage", (e) => { // another tab saved its conversations: show them here too
-    if (e.key !== STORE || controller) return;
-    const id = current && current.id;
-    load();
-    current = convs.find((c) => c.id === id) || null;
+    if (e.key !== STORE && e.key !== DELETED) return;
+    const shown = current;
+    merge();
     if (!current && convs.length) current = convs[0];
+    if (!current) { newConversation(); return; }
     renderConversations();
-    renderMessages();
+    if (current !== shown && !controller) select(current.id); // its own answer keeps streaming into the page
   });
 }
 
@@ -153,12 +196,12 @@ async function onConversationClick(e) {
   if (!c) return;
   if (e.target.closest(".rename")) {
     const t = await promptText("Rename the conversation:", c.title);
-    if (t !== null && t.trim()) { c.title = t.trim(); save(); renderConversations(); }
+    if (t !== null && t.trim()) { c.title = t.trim(); save(c); renderConversations(); }
   } else if (e.target.closest(".remove")) {
     if (!(await confirmDialog(`Delete the conversation "${c.title}"?`, "Delete"))) return;
-    convs = convs.filter((x) => x !== c);
-    save();
-    if (current === c) { current = null; if (convs.length) select(convs[0].id); else newConversation(); }
+    const shown = current === c;
+    forget(c);
+    if (shown) { current = null; if (convs.length) select(convs[0].id); else newConversation(); }
     renderConversations();
   } else {
     select(c.id);
@@ -434,7 +477,6 @@ async function run(tools) {
     draw();
     answer.dataset.done = "1";
     node.append(el("div", { class: "msg-actions" }, el("button", { type: "button", class: "regenerate", text: "Regenerate" })));
-    conv.updated = Date.now();
-    save();
+    save(conv);
   }
 }

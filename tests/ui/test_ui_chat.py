@@ -237,6 +237,46 @@ def test_conversations_kept_renamed_regenerated_and_edited(page: Page, chat_daem
     assert [m.text for m in page.all("#messages .msg.user .content")] == ["Second question"]
 
 
+def test_two_tabs_keep_each_others_conversations(page: Page, chat_daemon: Daemon) -> None:
+    """Two tabs share the browser's store: what one saves (here at the end of an answer that streamed while the
+    other tab worked) never undoes the other's conversations, and one deleted in a tab stays deleted."""
+    driver = page.driver
+    first = driver.current_window_handle
+
+    def titles() -> list[str]:
+        return [c.text for c in page.all("#conversations .conversation")]
+
+    new_chat(page, chat_daemon, "thinker:latest")
+    wait_done(page, send(page, "Kept from tab A"))
+    new_chat(page, chat_daemon, "smol-long:latest")
+    long = send(page, "Streamed in tab A")  # streams on while tab B works
+    page.wait(lambda: int(long.get_attribute("data-updates") or 0) > 1, what="tab A's answer streams")
+    driver.switch_to.new_window("tab")
+    try:
+        new_chat(page, chat_daemon, "thinker:latest")
+        wait_done(page, send(page, "Asked in tab B"))
+        (item,) = [c for c in page.all("#conversations .conversation") if "Kept from tab A" in c.text]
+        page.click(f'#conversations .conversation[data-id="{item.get_attribute("data-id")}"] .remove')
+        page.wait(lambda: page.js("return document.querySelector('#confirm').open"), what="the confirm dialog")
+        page.click("#confirm-yes")
+        page.wait(lambda: not any("Kept from tab A" in t for t in titles()), what="deleted in tab B")
+        driver.switch_to.window(first)
+        page.click("#chat-stop")  # tab A's answer ends: tab A saves
+        wait_done(page, long)
+        page.wait(lambda: any("Asked in tab B" in t for t in titles()), what="tab B's conversation in tab A")
+        page.open(chat_daemon, "chat")
+        shown = titles()
+        assert any("Asked in tab B" in t for t in shown), shown  # not undone by tab A's save
+        assert not any("Kept from tab A" in t for t in shown), shown  # not brought back by it
+        assert any("Streamed in tab A" in t for t in shown), shown
+    finally:
+        for handle in driver.window_handles:
+            if handle != first:
+                driver.switch_to.window(handle)
+                driver.close()
+        driver.switch_to.window(first)
+
+
 def test_tool_call_shown_as_such(page: Page, chat_daemon: Daemon) -> None:
     new_chat(page, chat_daemon, "caller:latest")
     page.fill("#chat-tools", json.dumps([WEATHER]))
