@@ -102,14 +102,18 @@ class Puller:
         self.interval = interval
         self.free_space = free_space or (lambda path: shutil.disk_usage(path).free)
 
-    def run(self, raw_name: str, *, insecure: bool = False) -> Iterator[dict[str, Any]]:
-        """Validate the name now; the returned iterator fetches the manifest on its first step."""
+    def run(
+        self, raw_name: str, *, insecure: bool = False, stop: threading.Event | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """Validate the name now; the returned iterator fetches the manifest on its first step. Once ``stop`` is
+        set, the iterator gives a line within ``interval`` even when no byte arrives (a stalled download), so its
+        consumer can close it (a background pull cancelled: registry/pull_jobs.py)."""
         name = ModelName.parse(raw_name)
         if name.scheme == "http" and not insecure:
             raise InsecureRegistry("insecure protocol http")
-        return self._pull(name, insecure)
+        return self._pull(name, insecure, stop)
 
-    def _pull(self, name: ModelName, insecure: bool) -> Iterator[dict[str, Any]]:
+    def _pull(self, name: ModelName, insecure: bool, stop: threading.Event | None = None) -> Iterator[dict[str, Any]]:
         started = time.monotonic()
         remote = RegistryClient(name, insecure=insecure, auth_files=self.auth_files)
         joined: list[Download] = []
@@ -128,7 +132,7 @@ class Puller:
                 d = self.downloads.join(layer.digest, functools.partial(self._download, remote, layer))
                 joined.append(d)
                 active[layer.digest] = d
-            yield from self._progress(blobs, active)
+            yield from self._progress(blobs, active, stop)
             for d in active.values():
                 if d.error is not None:
                     raise d.error
@@ -226,8 +230,11 @@ class Puller:
                 "unused blobs) or set CORRAL_MODELS to a larger disk"
             )
 
-    def _progress(self, blobs: list[Layer], active: dict[Digest, Download]) -> Iterator[dict[str, Any]]:
-        """A line per blob at once (complete for blobs already here), then a line whenever one has moved on."""
+    def _progress(
+        self, blobs: list[Layer], active: dict[Digest, Download], stop: threading.Event | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """A line per blob at once (complete for blobs already here), then a line whenever one has moved on, and
+        one at every ``interval`` once ``stop`` is set (its consumer closes the pull then)."""
         shown: dict[Digest, int] = {}
         for layer in blobs:
             d = active.get(layer.digest)
@@ -239,6 +246,7 @@ class Puller:
             running = [d for d in active.values() if not d.finished.is_set()]
             if running:
                 running[0].finished.wait(self.interval)
+            moved = False
             for layer in blobs:
                 d = active.get(layer.digest)
                 if d is None:
@@ -246,7 +254,11 @@ class Puller:
                 done = layer.size if d.finished.is_set() and d.error is None else d.completed
                 if done != shown[layer.digest]:
                     shown[layer.digest] = done
+                    moved = True
                     yield layer_progress("pulling", layer, done)
+            if stop is not None and stop.is_set() and not moved and running:
+                layer = next(b for b in blobs if b.digest == running[0].digest)
+                yield layer_progress("pulling", layer, shown[layer.digest])
             if not running:
                 return
             if any(d.error is not None for d in active.values()):

@@ -119,10 +119,12 @@ class PullJobs:
         self._lock = threading.Lock()
         self._jobs: dict[str, PullJob] = {}
 
-    def start(self, model: str, insecure: bool, run: Callable[[], Iterator[dict[str, Any]]]) -> PullJob:
-        """Start ``run()`` or return the job already running under this name. Blocking: the name is checked and
-        the manifest fetched here, so a bad name, a registry that needs ``insecure`` or a missing model raise (and
-        the job is listed with that error); the blobs are then fetched by a thread of the job's own."""
+    def start(self, model: str, insecure: bool, run: Callable[[threading.Event], Iterator[dict[str, Any]]]) -> PullJob:
+        """Start ``run(cancelled)`` or return the job already running under this name. Blocking: the name is
+        checked and the manifest fetched here, so a bad name, a registry that needs ``insecure`` or a missing model
+        raise (and the job is listed with that error); the blobs are then fetched by a thread of the job's own.
+        ``cancelled`` is set by :meth:`cancel`: the pull then gives a line soon even when stalled (Puller.run's
+        ``stop``), and the job closes it at that line."""
         with self._lock:
             self._expire()
             current = self._jobs.get(model)
@@ -132,7 +134,7 @@ class PullJobs:
             job.status = "pulling manifest"
             self._jobs[model] = job
         try:
-            it = run()
+            it = run(job.cancelled)
             first = next(it, None)
         except BaseException as exc:
             with job.lock:

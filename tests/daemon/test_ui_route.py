@@ -228,6 +228,29 @@ def test_background_pull_goes_on_without_its_client(
         assert slow not in [m["name"] for m in c.get("/api/tags").json()["models"]]
 
 
+def test_cancelling_a_stalled_background_pull_ends_it_at_once(
+    shared: Daemon, registry: tuple[FakeRegistry, ServerThread]
+) -> None:
+    """A pull whose registry went silent mid-blob: its cancel ends the job within the progress interval, not when
+    the download's read timeout (30 s) gives up."""
+    reg, server = registry
+    layer = b"\x03" * 600_000
+    reg.add_model("ns/stalled", "v1", [(MODEL_TYPE, layer)])
+    reg.stall_blob_gets, reg.stall_seconds = 100, 120.0  # half the bytes, then silence
+    name = f"{server.host}/ns/stalled:v1"
+    with shared.client() as c:
+        c.post("/api/pulls", json={"model": name, "insecure": True}).raise_for_status()
+        wait_for(lambda: (j := jobs(c).get(name)) and j["completed"] > 0, "the pull's first bytes")
+        time.sleep(1.0)  # nothing arrives now
+        asked = time.monotonic()
+        assert c.request("DELETE", "/api/pulls", json={"model": name}).status_code == 200
+        ended = wait_for(lambda: (j := jobs(c).get(name)) and j["done"] and j, "the cancelled pull to end")
+        took = time.monotonic() - asked
+        assert name not in [m["name"] for m in c.get("/api/tags").json()["models"]]
+    assert ended["status"] == "cancelled" and "cancelled" in ended["error"], ended
+    assert took < 15, f"the stalled pull ended {took:.1f} s after its cancel"
+
+
 def test_pull_jobs_table_units(monkeypatch: pytest.MonkeyPatch) -> None:
     """The table alone: one running job per name, errors before the first step raise and stay listed, a failure
     later is recorded, cancel ends a job at its next step, finished jobs expire."""
@@ -240,7 +263,7 @@ def test_pull_jobs_table_units(monkeypatch: pytest.MonkeyPatch) -> None:
     table = PullJobs()
     go = threading.Event()
 
-    def steady() -> Iterator[dict[str, Any]]:
+    def steady(_stop: threading.Event) -> Iterator[dict[str, Any]]:
         yield {"status": "pulling manifest"}
         for done in range(0, 101, 10):
             go.wait(10)
@@ -248,21 +271,21 @@ def test_pull_jobs_table_units(monkeypatch: pytest.MonkeyPatch) -> None:
         yield {"status": "success"}
 
     job = table.start("m", False, steady)
-    assert table.start("m", False, lambda: pytest.fail("a second pull of a running name")) is job
+    assert table.start("m", False, lambda _stop: pytest.fail("a second pull of a running name")) is job
     go.set()
     wait_for(lambda: job.done, "the job to end")
     (listed,) = table.list()
     assert listed["status"] == "success" and listed["completed"] == listed["total"] == 100 and "error" not in listed
     assert listed["layers"][0]["eta_seconds"] == 0.0
 
-    def bad_name() -> Iterator[dict[str, Any]]:
+    def bad_name(_stop: threading.Event) -> Iterator[dict[str, Any]]:
         raise InvalidRequest("invalid model name")
 
     with pytest.raises(InvalidRequest):
         table.start("bad", False, bad_name)
     assert {j["model"]: j.get("error") for j in table.list()}["bad"] == "invalid model name"
 
-    def breaks() -> Iterator[dict[str, Any]]:
+    def breaks(_stop: threading.Event) -> Iterator[dict[str, Any]]:
         yield {"status": "pulling manifest"}
         raise RegistryProtocolError("the registry hung up")
 

@@ -121,7 +121,9 @@ async def start_pull_job(request: Request) -> dict[str, Any]:
     puller = _puller(request, interval=0.25)
     name = req.model_name
     table = pull_jobs(request)
-    job = await run_in_threadpool(table.start, name, req.insecure, lambda: puller.run(name, insecure=req.insecure))
+    job = await run_in_threadpool(
+        table.start, name, req.insecure, lambda stop: puller.run(name, insecure=req.insecure, stop=stop)
+    )
     return job.to_json()
 
 
