@@ -117,6 +117,7 @@ class Entry:
     names: dict[str, float] = field(default_factory=dict)  # the model names served by this runner, last use
     crash_counted: bool = False
     adapters: dict[str, HeldAdapter] = field(default_factory=dict)  # LoRA adapters loaded, by path (issue 29)
+    awaiting: int = 0  # requests that came while it loads and wait for it (counted by Scheduler.waiting)
 
     @property
     def loaded_spec(self) -> LoadSpec:
@@ -262,7 +263,11 @@ class Scheduler:
         entry = self._loaded.get(ref.key)
         if entry is not None and entry.spec == spec and not entry.unload_when_idle:
             if entry.loading and entry.ready is not None:
-                await asyncio.shield(entry.ready)
+                entry.awaiting += 1
+                try:
+                    await asyncio.shield(entry.ready)
+                finally:
+                    entry.awaiting -= 1
             if self._loaded.get(ref.key) is entry and entry.runner.alive():
                 # adapters this runner has not loaded yet are granted here when they fit; otherwise the worker
                 # makes room for them (or says they cannot fit)
@@ -289,10 +294,11 @@ class Scheduler:
         return self._queue.qsize()
 
     def waiting(self) -> int:
-        """Requests admitted but not yet being served: those waiting for a load, and those holding a lease beyond
-        their runner's sequence slots (they wait inside the runner). ``CORRAL_MAX_QUEUE`` bounds this sum, so an
-        overloaded daemon answers 503 at once instead of queueing without end."""
-        inside = sum(max(0, e.refs - max(1, e.loaded_spec.num_parallel)) for e in self._loaded.values())
+        """Requests admitted but not yet being served: those waiting for a load (in the queue, or come while their
+        model loads), and those holding a lease beyond their runner's sequence slots (they wait inside the runner).
+        ``CORRAL_MAX_QUEUE`` bounds this sum, so an overloaded daemon answers 503 at once instead of queueing
+        without end (requests that came during a load were not counted: any number of them got in)."""
+        inside = sum(max(0, e.refs - max(1, e.loaded_spec.num_parallel)) + e.awaiting for e in self._loaded.values())
         return self._queue.qsize() + inside
 
     async def stop(self, key: str) -> bool:

@@ -175,6 +175,24 @@ async def test_queue_full_is_503() -> None:
     await s.close()
 
 
+async def test_requests_that_come_while_their_model_loads_count_against_the_queue() -> None:
+    """Requests arriving during a load wait for it outside the queue: they are waiting requests all the same, so
+    CORRAL_MAX_QUEUE bounds them (before, any number got in while a model loaded)."""
+    s = make({"a": GB}, 2 * GB, load_delay=0.3, max_queue=2)
+    loader = asyncio.ensure_future(s.acquire(ref("a"), SPEC))
+    await asyncio.sleep(0.05)  # the worker is loading `a` for it
+    later = [asyncio.ensure_future(s.acquire(ref("a"), SPEC)) for _ in range(5)]
+    done = await asyncio.gather(loader, *later, return_exceptions=True)
+    leases = [d for d in done if not isinstance(d, BaseException)]
+    refused = [d for d in done if isinstance(d, QueueFull)]
+    assert len(leases) == 3 and len(refused) == 3, done  # one served, two waiting (CORRAL_MAX_QUEUE=2)
+    assert s.waiting() == 2
+    for lease in leases:
+        lease.release()
+    assert s.waiting() == 0
+    await s.close()
+
+
 async def test_stop_unloads_idle_model() -> None:
     s = make({"a": GB}, 2 * GB)
     async with await s.acquire(ref("a"), SPEC, keep_alive=-1):
