@@ -91,7 +91,9 @@ def wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> No
 class Corral:
     name = "corral"
 
-    def __init__(self, gguf: Path, ctx: int, work: Path, slots: int) -> None:
+    def __init__(self, gguf: Path, ctx: int, work: Path, slots: int, checkout: Path = REPO) -> None:
+        """A daemon of this checkout (or ``checkout``, another copy of corral run with this venv) serving ``gguf``
+        as the model "bench", loaded."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("CORRAL_", "OLLAMA_"))}
@@ -100,14 +102,14 @@ class Corral:
                 "CORRAL_HOST": f"127.0.0.1:{self.port}",
                 "CORRAL_MODELS": str(work / "models"),
                 "CORRAL_KV_DISK_DIR": str(work / "kv"),  # its own prompt cache on disk, never the user's
-                "PYTHONPATH": str(REPO),
+                "PYTHONPATH": str(checkout),
                 "CORRAL_NUM_PARALLEL": str(slots),
             }
         )
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cli", "serve"],
             env=env,
-            cwd=REPO,
+            cwd=checkout,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import hashlib
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,46 +47,7 @@ class Round:
     wall: float
 
 
-class Daemon:
-    def __init__(self, name: str, checkout: Path, model: Path, slots: int, ctx: int) -> None:
-        self.name = name
-        self.work = Path(tempfile.mkdtemp(prefix=f"corral-conv-{name}-"))
-        self.port = batching.free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("CORRAL_", "OLLAMA_"))}
-        env.update(
-            {
-                "CORRAL_HOST": f"127.0.0.1:{self.port}",
-                "CORRAL_MODELS": str(self.work / "models"),
-                "CORRAL_KV_DISK_DIR": str(self.work / "kv"),
-                "PYTHONPATH": str(checkout),
-                "CORRAL_NUM_PARALLEL": str(slots),
-                "CORRAL_KEEP_ALIVE": "1h",
-            }
-        )
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cli", "serve"],
-            env=env,
-            cwd=checkout,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        batching.wait_up(self.url + "/api/version", self.proc)
-        digest = "sha256:" + hashlib.sha256(model.read_bytes()).hexdigest()
-        with model.open("rb") as f:
-            httpx.post(f"{self.url}/api/blobs/{digest}", content=f, timeout=120).raise_for_status()
-        body = {"model": "smol", "files": {model.name: digest}, "parameters": {"num_ctx": ctx}, "stream": False}
-        httpx.post(f"{self.url}/api/create", json=body, timeout=300).raise_for_status()
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
-def run_round(d: Daemon, args: argparse.Namespace, tag: str) -> Round:
+def run_round(d: batching.Corral, args: argparse.Namespace, tag: str) -> Round:
     totals = {"evaluated": 0, "prompt": 0}
     turn_s: list[float] = []
 
@@ -98,7 +57,7 @@ def run_round(d: Daemon, args: argparse.Namespace, tag: str) -> Round:
             for n in range(args.turns):
                 messages.append({"role": "user", "content": f"{tag} user {i} asks question {n}: what is {i * n + 7}?"})
                 body: dict[str, Any] = {
-                    "model": "smol",
+                    "model": "bench",
                     "messages": messages,
                     "max_tokens": args.tokens,
                     "temperature": 0,
@@ -137,11 +96,11 @@ def main() -> None:
         sys.exit("SmolLM2 is not cached: run scripts/fetch_smollm2.py")
     if not (args.before / "daemon").is_dir():
         sys.exit(f"{args.before} is not a corral checkout: git worktree add --detach {args.before} f1db2bc")
-    daemons = {"before": Daemon("before", args.before.resolve(), model, args.slots, args.ctx)}
-    try:
-        daemons["corral"] = Daemon("corral", batching.REPO, model, args.slots, args.ctx)
-        for d in daemons.values():  # load the model, outside the rounds
-            httpx.post(d.url + "/api/generate", json={"model": "smol", "prompt": "hi", "stream": False}, timeout=300)
+    work = Path(tempfile.mkdtemp(prefix="corral-conversations-"))
+    daemons: dict[str, batching.Corral] = {}
+    try:  # each loaded, outside the rounds
+        daemons["before"] = batching.Corral(model, args.ctx, work / "before", args.slots, args.before.resolve())
+        daemons["corral"] = batching.Corral(model, args.ctx, work / "corral", args.slots)
         results: dict[str, list[Round]] = {k: [] for k in daemons}
         names = list(daemons)
         for r in range(args.rounds):
