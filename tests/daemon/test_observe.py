@@ -11,12 +11,17 @@ import httpx
 from tests.conftest import Daemon
 
 
-def test_metrics_count_tokens_and_log_lines(daemon: Daemon, tiny_gguf: Path) -> None:
-    data = tiny_gguf.read_bytes()
+def _create(h: httpx.Client, gguf: Path, name: str) -> None:
+    """The model ``name`` from ``gguf``, as a client creates one: the blob, then /api/create."""
+    data = gguf.read_bytes()
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    h.post(f"/api/blobs/{digest}", content=data)
+    h.post("/api/create", json={"model": name, "files": {f"{name}.gguf": digest}, "stream": False})
+
+
+def test_metrics_count_tokens_and_log_lines(daemon: Daemon, tiny_gguf: Path) -> None:
     with httpx.Client(base_url=daemon.url, timeout=60) as h:
-        h.post(f"/api/blobs/{digest}", content=data)
-        h.post("/api/create", json={"model": "t", "files": {"t.gguf": digest}, "stream": False})
+        _create(h, tiny_gguf, "t")
         r = h.post(
             "/api/generate",
             json={
@@ -48,11 +53,8 @@ def test_metrics_count_tokens_and_log_lines(daemon: Daemon, tiny_gguf: Path) -> 
 def test_n_choices_count_every_choices_tokens(daemon: Daemon, tiny_gguf: Path) -> None:
     """/v1 with n > 1: the log line and corral_generated_tokens_total count the tokens of all choices (not the last
     choice's), and the prompt, evaluated once for all of them, once."""
-    data = tiny_gguf.read_bytes()
-    digest = "sha256:" + hashlib.sha256(data).hexdigest()
     with httpx.Client(base_url=daemon.url, timeout=60) as h:
-        h.post(f"/api/blobs/{digest}", content=data)
-        h.post("/api/create", json={"model": "n", "files": {"n.gguf": digest}, "stream": False})
+        _create(h, tiny_gguf, "n")
         r = h.post(
             "/v1/completions",
             json={"model": "n", "prompt": "a b c", "n": 3, "max_tokens": 4, "temperature": 0.8, "seed": 5},
